@@ -1,0 +1,55 @@
+# Every target works on a fresh clone: the project virtualenv (.venv) is created
+# and filled on first use, and again whenever pyproject.toml changes.
+PYTHON      ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+# The CPU build of torch by default; GPU hosts outside the NGC image set their own,
+# e.g. make TORCH_SPEC='torch==2.9.1' engines
+TORCH_SPEC  ?= torch==2.13.0
+EXTRAS      ?= dev,cpu-triton
+
+TARGET      ?= auto
+MODEL       ?=
+BENCH       ?=
+FORCE       ?=
+REPO        ?= model_repository
+TRITON_HTTP_PORT    ?= 8010
+TRITON_GRPC_PORT    ?= 8011
+TRITON_METRICS_PORT ?= 8012
+PYTEST_ARGS ?=
+
+.PHONY: venv engines triton test test-unit lint clean-engines clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	touch $@
+
+engines: venv
+	$(PY) -m build_engines --target $(TARGET) --repository $(REPO) \
+		$(if $(MODEL),--model '$(MODEL)') $(if $(BENCH),--size bench) $(if $(FORCE),--force)
+
+triton: venv
+	$(PY) -m serve.triton.launcher --model-repository $(REPO) \
+		--http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) \
+		--metrics-port $(TRITON_METRICS_PORT)
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: venv
+	$(PY) -m pytest -m 'not integration' $(PYTEST_ARGS)
+
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+clean-engines:
+	$(PY) -m build_engines --clean --repository $(REPO)
+
+clean: clean-engines
+	rm -rf $(VENV)

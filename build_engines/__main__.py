@@ -1,0 +1,3 @@
+from build_engines.cli import main
+
+raise SystemExit(main())

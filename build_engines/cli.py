@@ -1,0 +1,109 @@
+"""``python -m build_engines``: fill the model repository for this machine.
+
+Examples::
+
+    python -m build_engines                         # default model, best target here
+    python -m build_engines --model ~/ckpt/llama-3.2-1b --target torch
+    python -m build_engines --size bench            # the ~30M benchmark model
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from build_engines import default_model
+from build_engines.repository import ModelRepository
+from build_engines.targets import TARGETS, BuildSpec, EngineOptions, choose_target
+
+console = Console(stderr=True)
+
+
+class RichReporter:
+    """Stages as log lines, long loops as a progress bar."""
+
+    def __init__(self):
+        self._progress: Progress | None = None
+
+    def stage(self, text: str) -> None:
+        self._close()
+        console.log(text)
+
+    def steps(self, total: int):
+        self._close()
+        self._progress = Progress(
+            TextColumn("training the default model"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        task = self._progress.add_task("train", total=total, loss=float("nan"))
+        self._progress.start()
+        return lambda _step, loss: self._progress.update(task, advance=1, loss=loss)
+
+    def _close(self) -> None:
+        if self._progress:
+            self._progress.stop()
+            self._progress = None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m build_engines", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="auto", choices=["auto", *TARGETS],
+                   help="engine for the tensorrt_llm slot (auto: trtllm if installed, else torch)")
+    p.add_argument("--model", type=Path, help="local Hugging Face checkpoint directory "
+                   "(default: build the project's small default model)")
+    p.add_argument("--size", default="tiny", choices=sorted(default_model.SIZES),
+                   help="default model size when --model is not given")
+    p.add_argument("--repository", type=Path, default=Path("model_repository"),
+                   help="the model repository to fill")
+    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    p.add_argument("--clean", action="store_true", help="remove everything a build wrote")
+    defaults = EngineOptions()
+    p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
+                   help="sequences the engine runs at once")
+    p.add_argument("--max-queue-size", type=int, default=defaults.max_queue_size,
+                   help="queued requests before the engine answers busy")
+    p.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len,
+                   help="cap on prompt + output tokens (0: the model's context)")
+    p.add_argument("--device", default=defaults.device, help="auto | cpu | cuda[:N]")
+    p.add_argument("--dtype", default=defaults.dtype, help="auto | float32 | float16 | bfloat16")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    repo = ModelRepository(args.repository)
+    try:
+        repo.check_layout()
+        if args.clean:
+            removed = repo.clean()
+            console.log(f"removed {len(removed)} generated paths from {repo.root}")
+            return 0
+        target = choose_target(args.target)
+        reason = target.unavailable_reason()
+        if reason:
+            raise RuntimeError(f"target {target.name} cannot build here: {reason}")
+        options = EngineOptions(max_batch_size=args.max_batch_size,
+                                max_queue_size=args.max_queue_size,
+                                max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype)
+        spec = BuildSpec(model=args.model, size=args.size, options=options, force=args.force)
+        report = target.build(spec, repo, RichReporter())
+    except (OSError, ValueError, RuntimeError) as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        return 2
+    verb = "up to date" if report.skipped else f"built in {report.seconds:.1f} s"
+    console.print(
+        f"[green]{repo.root}[/]: target {report.target}, engine_dir {report.engine_dir}, "
+        f"{verb}, {report.repository_bytes / 2**20:.1f} MiB"
+        + (" (FORCE=1 rebuilds)" if report.skipped else "")
+    )
+    return 0

@@ -1,0 +1,79 @@
+"""Paths of a model repository, and which of its files a build generates."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tritonllm import contract
+
+MANIFEST = ".build.json"
+
+
+class ModelRepository:
+    def __init__(self, root: Path | str):
+        self.root = Path(root).resolve()
+
+    def model_dir(self, model: str) -> Path:
+        return self.root / model
+
+    def config_path(self, model: str) -> Path:
+        return self.model_dir(model) / "config.pbtxt"
+
+    def template_path(self, model: str, target: str) -> Path:
+        """``config.pbtxt.<target>.in`` where a target needs its own, else ``config.pbtxt.in``."""
+        specific = self.model_dir(model) / f"config.pbtxt.{target}.in"
+        return specific if specific.exists() else self.model_dir(model) / "config.pbtxt.in"
+
+    @property
+    def engine_version_dir(self) -> Path:
+        return self.model_dir(contract.TENSORRT_LLM) / "1"
+
+    @property
+    def default_checkpoint_dir(self) -> Path:
+        return self.engine_version_dir / "hf_model"
+
+    def reference(self, path: Path) -> str:
+        """How a config names ``path``: relative to the repository when inside it."""
+        path = path.resolve()
+        try:
+            return str(path.relative_to(self.root))
+        except ValueError:
+            return str(path)
+
+    def check_layout(self) -> None:
+        missing = [m for m in contract.MODELS if not self.model_dir(m).is_dir()]
+        if missing:
+            raise FileNotFoundError(
+                f"{self.root} is not this project's model repository (missing {', '.join(missing)}); "
+                "run from the project root or pass --repository model_repository"
+            )
+
+    def read_manifest(self) -> dict | None:
+        try:
+            return json.loads((self.root / MANIFEST).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def write_manifest(self, manifest: dict) -> None:
+        (self.root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+    def generated_paths(self) -> list[Path]:
+        """Everything a build writes (all git-ignored); the tracked files stay."""
+        paths = [self.root / MANIFEST]
+        paths += [self.config_path(m) for m in contract.MODELS]
+        paths += [p for p in self.engine_version_dir.iterdir() if p.name != "model.py"]
+        return [p for p in paths if p.exists()]
+
+    def clean(self) -> list[Path]:
+        removed = self.generated_paths()
+        for path in removed:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        return removed
+
+    def size_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())

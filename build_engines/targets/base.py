@@ -1,0 +1,56 @@
+"""What every target takes and gives back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from build_engines.repository import ModelRepository
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Serving limits written into the configs (the same names as TensorRT-LLM's)."""
+
+    triton_max_batch_size: int = 64  # the batch dimension Triton accepts per request
+    max_batch_size: int = 8  # sequences the engine runs at once
+    max_queue_size: int = 256  # requests waiting for a slot before "busy"
+    max_seq_len: int = 0  # prompt + output cap; 0: the model's max_position_embeddings
+    device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
+    dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
+    num_threads: int = 0  # torch intra-op threads; 0: torch's default
+    preprocessing_instance_count: int = 1
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    model: Path | None  # a local HF checkpoint dir; None builds the default model
+    size: str = "tiny"  # default model size: tiny | bench
+    options: EngineOptions = field(default_factory=EngineOptions)
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    target: str
+    engine_dir: str
+    tokenizer_dir: str
+    skipped: bool
+    seconds: float
+    repository_bytes: int
+
+
+class Reporter(Protocol):
+    def stage(self, text: str) -> None: ...
+
+    def steps(self, total: int): ...
+
+
+class Target(Protocol):
+    name: str
+
+    def unavailable_reason(self) -> str | None:
+        """None when this target can build here, else what is missing and the fix."""
+
+    def build(self, spec: BuildSpec, repo: ModelRepository, reporter: Reporter) -> BuildReport: ...

@@ -1,0 +1,135 @@
+"""The torch target: a Hugging Face checkpoint served by tritonllm.engine."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from build_engines import default_model, templates
+from build_engines.repository import ModelRepository
+from build_engines.targets.base import BuildReport, BuildSpec, Reporter
+from tritonllm import contract
+
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def validate_checkpoint(model_dir: Path) -> Path:
+    """A local causal-LM checkpoint transformers can load, or an error naming the fix."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_dir = model_dir.expanduser().resolve()
+    if not model_dir.is_dir():
+        raise CheckpointError(
+            f"MODEL={model_dir} does not exist: pass a local Hugging Face checkpoint directory "
+            "(this build never downloads weights)"
+        )
+    if not (model_dir / "config.json").is_file():
+        raise CheckpointError(
+            f"{model_dir} has no config.json: MODEL must be a Hugging Face checkpoint directory "
+            "(the folder save_pretrained() writes)"
+        )
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise CheckpointError(
+            f"{model_dir}: model_type {config.model_type!r} is not a causal LM transformers "
+            "can generate with; the torch target serves decoder-only models "
+            "(llama, mistral, qwen2, gpt2, ...)"
+        )
+    if not any(any(model_dir.glob(p)) for p in _WEIGHT_PATTERNS):
+        raise CheckpointError(f"{model_dir} has no weights (*.safetensors or pytorch_model*.bin)")
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        raise CheckpointError(
+            f"{model_dir} has no tokenizer ({' or '.join(_TOKENIZER_FILES)}): "
+            "save the tokenizer next to the weights"
+        )
+    return model_dir
+
+
+def _source_digest() -> str:
+    """Changes to the default model's code rebuild it."""
+    digest = hashlib.sha256()
+    for module in (default_model, default_model.corpus):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class TorchTarget:
+    name = "torch"
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError as exc:
+            return f"{exc.name} is not installed: run `make venv` (or pip install -e .)"
+        return None
+
+    def _fingerprint(self, spec: BuildSpec) -> dict:
+        model = (
+            {"checkpoint": str(spec.model.expanduser().resolve())}
+            if spec.model
+            else {"default": default_model.describe(spec.size), "source": _source_digest()}
+        )
+        return {"target": self.name, "model": model, "options": asdict(spec.options)}
+
+    def _is_current(self, repo: ModelRepository, fingerprint: dict, checkpoint: Path) -> bool:
+        configs = all(repo.config_path(m).is_file() for m in contract.MODELS)
+        return (
+            repo.read_manifest() == fingerprint
+            and configs
+            and (checkpoint / "config.json").is_file()
+        )
+
+    def build(self, spec: BuildSpec, repo: ModelRepository, reporter: Reporter) -> BuildReport:
+        start = time.monotonic()
+        checkpoint = validate_checkpoint(spec.model) if spec.model else repo.default_checkpoint_dir
+        fingerprint = self._fingerprint(spec)
+        skipped = not spec.force and self._is_current(repo, fingerprint, checkpoint)
+        if not skipped:
+            repo.clean()
+            if not spec.model:
+                default_model.write_default_model(checkpoint, spec.size, reporter)
+            reporter.stage("filling the model configs")
+            self._fill_configs(spec, repo, repo.reference(checkpoint))
+            repo.write_manifest(fingerprint)
+        ref = repo.reference(checkpoint)
+        return BuildReport(self.name, ref, ref, skipped, time.monotonic() - start, repo.size_bytes())
+
+    def _fill_configs(self, spec: BuildSpec, repo: ModelRepository, checkpoint_ref: str) -> None:
+        o = spec.options
+        common = {"triton_max_batch_size": o.triton_max_batch_size}
+        values = {
+            contract.ENSEMBLE: common,
+            contract.PREPROCESSING: {
+                **common,
+                "tokenizer_dir": checkpoint_ref,
+                "add_special_tokens": "true",
+                "preprocessing_instance_count": o.preprocessing_instance_count,
+            },
+            contract.POSTPROCESSING: {
+                **common,
+                "tokenizer_dir": checkpoint_ref,
+                "skip_special_tokens": "true",
+            },
+            contract.TENSORRT_LLM: {
+                **common,
+                "engine_dir": checkpoint_ref,
+                "engine_max_batch_size": o.max_batch_size,
+                "max_queue_size": o.max_queue_size,
+                "max_seq_len": o.max_seq_len,
+                "device": o.device,
+                "dtype": o.dtype,
+                "num_threads": o.num_threads,
+            },
+        }
+        for model, model_values in values.items():
+            text = templates.fill(repo.template_path(model, self.name), model, model_values)
+            repo.config_path(model).write_text(text)

@@ -1,0 +1,170 @@
+"""The tensor contract of the model repository: the single source of truth.
+
+Names, types and shapes follow NVIDIA's ``inflight_batcher_llm`` templates, so a
+repository built by TensorRT-LLM's own tools and ours are interchangeable behind
+the Serve app. Shapes are given without the batch dimension (every model here has
+``max_batch_size > 0``, as upstream). The config templates under
+``model_repository/`` are checked against this module by the unit tests, and the
+Python models and clients take their tensor names from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    triton_dtype: str  # as written in config.pbtxt, e.g. "TYPE_INT32"
+    dims: tuple[int, ...]
+    optional: bool = False
+
+    @property
+    def numpy_dtype(self) -> type:
+        return _NUMPY_DTYPES[self.triton_dtype]
+
+    @property
+    def wire_dtype(self) -> str:
+        """The datatype name used on the wire by tritonclient (``"INT32"``)."""
+        return "BYTES" if self.triton_dtype == "TYPE_STRING" else self.triton_dtype[5:]
+
+
+_NUMPY_DTYPES = {
+    "TYPE_STRING": np.object_,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_FP32": np.float32,
+    "TYPE_BOOL": np.bool_,
+}
+
+
+def _t(name: str, dtype: str, *dims: int, optional: bool = False) -> Tensor:
+    return Tensor(name, f"TYPE_{dtype}", tuple(dims), optional)
+
+
+def _opt(name: str, dtype: str, *dims: int) -> Tensor:
+    return _t(name, dtype, *dims, optional=True)
+
+
+ENSEMBLE = "ensemble"
+PREPROCESSING = "preprocessing"
+TENSORRT_LLM = "tensorrt_llm"
+POSTPROCESSING = "postprocessing"
+
+ENSEMBLE_INPUTS = (
+    _t("text_input", "STRING", 1),
+    _t("max_tokens", "INT32", 1),
+    _opt("bad_words", "STRING", -1),
+    _opt("stop_words", "STRING", -1),
+    _opt("end_id", "INT32", 1),
+    _opt("pad_id", "INT32", 1),
+    _opt("top_k", "INT32", 1),
+    _opt("top_p", "FP32", 1),
+    _opt("temperature", "FP32", 1),
+    _opt("length_penalty", "FP32", 1),
+    _opt("repetition_penalty", "FP32", 1),
+    _opt("min_tokens", "INT32", 1),
+    _opt("presence_penalty", "FP32", 1),
+    _opt("frequency_penalty", "FP32", 1),
+    _opt("seed", "UINT64", 1),
+    _opt("beam_width", "INT32", 1),
+    _opt("stream", "BOOL", 1),
+    _opt("exclude_input_in_output", "BOOL", 1),
+    _opt("return_log_probs", "BOOL", 1),
+    _opt("return_num_input_tokens", "BOOL", 1),
+    _opt("return_num_output_tokens", "BOOL", 1),
+)
+
+ENSEMBLE_OUTPUTS = (
+    _t("text_output", "STRING", -1),
+    _t("cum_log_probs", "FP32", -1),
+    _t("output_log_probs", "FP32", -1, -1),
+    _t("num_input_tokens", "INT32", 1),
+    _t("num_output_tokens", "INT32", 1),
+    _t("batch_index", "INT32", 1),
+)
+
+PREPROCESSING_INPUTS = (
+    _t("QUERY", "STRING", 1),
+    _t("REQUEST_OUTPUT_LEN", "INT32", 1),
+    _opt("BAD_WORDS_DICT", "STRING", -1),
+    _opt("STOP_WORDS_DICT", "STRING", -1),
+    _opt("END_ID", "INT32", 1),
+    _opt("PAD_ID", "INT32", 1),
+)
+
+PREPROCESSING_OUTPUTS = (
+    _t("INPUT_ID", "INT32", -1),
+    _t("REQUEST_INPUT_LEN", "INT32", 1),
+    _t("BAD_WORDS_IDS", "INT32", 2, -1),
+    _t("STOP_WORDS_IDS", "INT32", 2, -1),
+    _t("REQUEST_OUTPUT_LEN", "INT32", 1),
+    _t("OUT_END_ID", "INT32", 1),
+    _t("OUT_PAD_ID", "INT32", 1),
+)
+
+TENSORRT_LLM_INPUTS = (
+    _t("input_ids", "INT32", -1),
+    _t("input_lengths", "INT32", 1),
+    _t("request_output_len", "INT32", 1),
+    _opt("end_id", "INT32", 1),
+    _opt("pad_id", "INT32", 1),
+    _opt("stop_words_list", "INT32", 2, -1),
+    _opt("bad_words_list", "INT32", 2, -1),
+    _opt("beam_width", "INT32", 1),
+    _opt("runtime_top_k", "INT32", 1),
+    _opt("runtime_top_p", "FP32", 1),
+    _opt("temperature", "FP32", 1),
+    _opt("len_penalty", "FP32", 1),
+    _opt("repetition_penalty", "FP32", 1),
+    _opt("min_tokens", "INT32", 1),
+    _opt("presence_penalty", "FP32", 1),
+    _opt("frequency_penalty", "FP32", 1),
+    _opt("seed", "UINT64", 1),
+    _opt("streaming", "BOOL", 1),
+    _opt("exclude_input_in_output", "BOOL", 1),
+    _opt("return_log_probs", "BOOL", 1),
+    _opt("return_num_input_tokens", "BOOL", 1),
+    _opt("return_num_output_tokens", "BOOL", 1),
+    _opt("stop", "BOOL", 1),
+)
+
+TENSORRT_LLM_OUTPUTS = (
+    _t("output_ids", "INT32", -1, -1),
+    _t("sequence_length", "INT32", -1),
+    _t("cum_log_probs", "FP32", -1),
+    _t("output_log_probs", "FP32", -1, -1),
+    _t("num_input_tokens", "INT32", 1),
+    _t("num_output_tokens", "INT32", 1),
+    _t("batch_index", "INT32", 1),
+)
+
+POSTPROCESSING_INPUTS = (
+    _t("TOKENS_BATCH", "INT32", -1, -1),
+    _t("SEQUENCE_LENGTH", "INT32", -1),
+    # Not in upstream's template: lets the postprocessing keep per-request
+    # detokenizer state only for streamed requests (see tritonllm.detokenize).
+    _opt("STREAM", "BOOL", 1),
+)
+
+POSTPROCESSING_OUTPUTS = (_t("OUTPUT", "STRING", -1),)
+
+MODELS = {
+    ENSEMBLE: (ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS),
+    PREPROCESSING: (PREPROCESSING_INPUTS, PREPROCESSING_OUTPUTS),
+    TENSORRT_LLM: (TENSORRT_LLM_INPUTS, TENSORRT_LLM_OUTPUTS),
+    POSTPROCESSING: (POSTPROCESSING_INPUTS, POSTPROCESSING_OUTPUTS),
+}
+
+
+def tensor(model: str, name: str) -> Tensor:
+    """Look up one tensor of ``model`` by name, inputs first."""
+    inputs, outputs = MODELS[model]
+    for spec in (*inputs, *outputs):
+        if spec.name == name:
+            return spec
+    raise KeyError(f"{model} has no tensor {name!r}")

@@ -1,0 +1,39 @@
+"""What one generation request asks of the engine, validated before any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tritonllm.engine.sampling import SamplingParams
+from tritonllm.tokenization import InvalidRequest
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    input_ids: tuple[int, ...]
+    max_tokens: int
+    end_id: int | None = None
+    pad_id: int | None = None
+    stop_words: tuple[tuple[int, ...], ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    streaming: bool = False
+    exclude_input_in_output: bool = False
+    return_log_probs: bool = False
+
+    def validate(self, max_seq_len: int, vocab_size: int) -> None:
+        """Reject what cannot be served, naming the limit (before any compute)."""
+        if not self.input_ids:
+            raise InvalidRequest("input_ids is empty: the prompt must contain at least one token")
+        if self.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be > 0, got {self.max_tokens}")
+        bad = [t for t in self.input_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"input_ids contains ids outside [0, {vocab_size}): {bad[:5]}")
+        total = len(self.input_ids) + self.max_tokens
+        if total > max_seq_len:
+            raise InvalidRequest(
+                f"prompt ({len(self.input_ids)} tokens) + max_tokens ({self.max_tokens}) = "
+                f"{total} exceeds the maximum sequence length of {max_seq_len} tokens; "
+                "shorten the prompt or lower max_tokens"
+            )

@@ -1,0 +1,117 @@
+"""Per-request sampling: logits processing, the token choice and its log-prob.
+
+Each sequence owns a :class:`TokenSampler` with its own ``torch.Generator``, so
+a seeded request draws the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from tritonllm.tokenization import InvalidRequest
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one request, with TensorRT-LLM's defaults.
+
+    As in TensorRT-LLM, a request that sets none of temperature, top_k and top_p
+    is decoded greedily; so is one with ``temperature == 0`` or ``top_k == 1``.
+    Unlike TensorRT-LLM, a request that sets only a temperature samples from the
+    whole distribution instead of silently staying greedy.
+    """
+
+    temperature: float | None = None
+    top_k: int = 0
+    top_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    bad_words: tuple[tuple[int, ...], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.temperature is not None and self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_p is not None and not 0.0 <= self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequest(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise InvalidRequest(f"min_tokens must be >= 0, got {self.min_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        unset = self.temperature is None and self.top_k == 0 and not self.top_p
+        return unset or self.temperature == 0 or self.top_k == 1
+
+
+class TokenSampler:
+    """Chooses the next token of one sequence from its last logits."""
+
+    def __init__(self, params: SamplingParams, end_id: int | None):
+        self.params = params
+        self._end_id = end_id
+        self._processors = _build_processors(params)
+        self._generator = torch.Generator(device="cpu")
+        if params.seed is not None:
+            self._generator.manual_seed(params.seed % 2**64)
+        else:
+            self._generator.seed()
+
+    def __call__(self, logits: torch.Tensor, history: torch.Tensor, num_generated: int):
+        """Return ``(token_id, log_prob)`` for 1-D ``logits`` given the ids so far."""
+        scores = logits.float().unsqueeze(0)
+        scores = self._penalize(scores, history, num_generated)
+        if self.params.greedy:
+            token = int(torch.argmax(scores, dim=-1))
+        else:
+            scores = self._processors(history.unsqueeze(0), scores)
+            probs = torch.softmax(scores, dim=-1)
+            token = int(torch.multinomial(probs.cpu(), 1, generator=self._generator))
+        log_prob = float(torch.log_softmax(scores, dim=-1)[0, token])
+        return token, log_prob
+
+    def _penalize(self, scores: torch.Tensor, history: torch.Tensor, num_generated: int):
+        p = self.params
+        if p.repetition_penalty != 1.0:
+            scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(
+                history.unsqueeze(0), scores
+            )
+        if (p.presence_penalty or p.frequency_penalty) and num_generated:
+            # OpenAI's presence/frequency penalties over the generated tokens;
+            # transformers has no processor for them.
+            generated = history[-num_generated:]
+            counts = torch.bincount(generated, minlength=scores.shape[-1]).to(scores.dtype)
+            scores = scores - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+        if num_generated < p.min_tokens and self._end_id is not None:
+            scores[:, self._end_id] = float("-inf")
+        for word in p.bad_words:
+            if len(word) == 1 or history[-(len(word) - 1) :].tolist() == list(word[:-1]):
+                scores[:, word[-1]] = float("-inf")
+        return scores
+
+
+def _build_processors(params: SamplingParams) -> LogitsProcessorList:
+    processors = LogitsProcessorList()
+    if params.greedy:
+        return processors
+    if params.temperature is not None and params.temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k > 0:
+        processors.append(TopKLogitsWarper(params.top_k))
+    if params.top_p is not None and 0.0 < params.top_p < 1.0:
+        processors.append(TopPLogitsWarper(params.top_p))
+    return processors

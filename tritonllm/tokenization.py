@@ -1,0 +1,86 @@
+"""Prompt and word-list encoding used by the preprocessing model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class InvalidRequest(ValueError):
+    """A request the server refuses; the message is sent back to the client."""
+
+
+def load_tokenizer(tokenizer_dir: str):
+    """Load a Hugging Face tokenizer from a local directory (never the hub)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+
+
+def encode_prompt(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``; BOS is added by the tokenizer's own post-processor."""
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not ids:
+        raise InvalidRequest("text_input is empty: the prompt must contain at least one token")
+    return ids
+
+
+def to_word_list(tokenizer, words: Sequence[str]) -> np.ndarray:
+    """Encode words into TensorRT-LLM's ``[2, N]`` word-list form.
+
+    Row 0 holds the concatenated token ids of all words, row 1 the cumulative end
+    offset of each word; both are padded to the same length (ids with 0, offsets
+    with -1). An empty list gives ``[[0], [-1]]``, which means "no words".
+    """
+    flat_ids: list[int] = []
+    offsets: list[int] = []
+    for word in words:
+        if not word:
+            continue
+        ids = tokenizer.encode(word, add_special_tokens=False)
+        if not ids:
+            continue
+        flat_ids.extend(ids)
+        offsets.append(len(flat_ids))
+    width = max(len(flat_ids), len(offsets), 1)
+    out = np.zeros((2, width), dtype=np.int32)
+    out[1, :] = -1
+    out[0, : len(flat_ids)] = flat_ids
+    out[1, : len(offsets)] = offsets
+    return out
+
+
+def from_word_list(word_list: np.ndarray | None) -> list[list[int]]:
+    """Inverse of :func:`to_word_list`: the token-id sequence of each word."""
+    if word_list is None:
+        return []
+    word_list = np.asarray(word_list)
+    if word_list.ndim != 2 or word_list.shape[0] != 2:
+        raise InvalidRequest(
+            f"word list must have shape [2, N] (ids, offsets), got {list(word_list.shape)}"
+        )
+    ids, offsets = word_list[0], word_list[1]
+    words: list[list[int]] = []
+    start = 0
+    for end in offsets:
+        end = int(end)
+        if end < 0:
+            break
+        if end <= start or end > len(ids):
+            raise InvalidRequest(f"word list offsets are not increasing within [1, {len(ids)}]")
+        words.append([int(t) for t in ids[start:end]])
+        start = end
+    return words
+
+
+def decode_words(values: np.ndarray | None) -> list[str]:
+    """STRING tensor values (bytes or str, any shape) as a flat list of words."""
+    if values is None:
+        return []
+    out = []
+    for value in np.asarray(values, dtype=object).reshape(-1):
+        text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        if text:
+            out.append(text)
+    return out
