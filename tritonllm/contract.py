@@ -146,9 +146,6 @@ TENSORRT_LLM_OUTPUTS = (
 POSTPROCESSING_INPUTS = (
     _t("TOKENS_BATCH", "INT32", -1, -1),
     _t("SEQUENCE_LENGTH", "INT32", -1),
-    # Not in upstream's template: lets the postprocessing keep per-request
-    # detokenizer state only for streamed requests (see tritonllm.detokenize).
-    _opt("STREAM", "BOOL", 1),
 )
 
 POSTPROCESSING_OUTPUTS = (_t("OUTPUT", "STRING", -1),)

@@ -51,8 +51,8 @@ class StreamDetokenizers:
     postprocessing as a separate request carrying only the new tokens, but with
     the client's request id (Triton copies it to every step). The postprocessing
     never sees the end of a stream, so entries are dropped least-recently-used
-    past ``max_entries`` and after ``idle_timeout_s`` without a chunk. Streamed
-    requests need ids unique among those in flight; the Serve app always sends one.
+    past ``max_entries`` and after ``idle_timeout_s`` without a chunk. Requests
+    need ids unique among those in flight; the Serve app always sends a fresh one.
     """
 
     def __init__(self, tokenizer, max_entries: int = 4096, idle_timeout_s: float = 300.0):

@@ -80,27 +80,23 @@ class TorchTarget:
         )
         return {"target": self.name, "model": model, "options": asdict(spec.options)}
 
-    def _is_current(self, repo: ModelRepository, fingerprint: dict, checkpoint: Path) -> bool:
-        configs = all(repo.config_path(m).is_file() for m in contract.MODELS)
-        return (
-            repo.read_manifest() == fingerprint
-            and configs
-            and (checkpoint / "config.json").is_file()
-        )
-
     def build(self, spec: BuildSpec, repo: ModelRepository, reporter: Reporter) -> BuildReport:
+        """Write the default checkpoint unless it is current; configs are always refilled."""
         start = time.monotonic()
         checkpoint = validate_checkpoint(spec.model) if spec.model else repo.default_checkpoint_dir
         fingerprint = self._fingerprint(spec)
-        skipped = not spec.force and self._is_current(repo, fingerprint, checkpoint)
+        current = (repo.read_manifest() or {}).get("model") == fingerprint["model"] and (
+            checkpoint / "config.json"
+        ).is_file()
+        skipped = current and not spec.force
         if not skipped:
             repo.clean()
             if not spec.model:
                 default_model.write_default_model(checkpoint, spec.size, reporter)
-            reporter.stage("filling the model configs")
-            self._fill_configs(spec, repo, repo.reference(checkpoint))
-            repo.write_manifest(fingerprint)
+        reporter.stage("filling the model configs")
         ref = repo.reference(checkpoint)
+        self._fill_configs(spec, repo, ref)
+        repo.write_manifest(fingerprint)
         return BuildReport(self.name, ref, ref, skipped, time.monotonic() - start, repo.size_bytes())
 
     def _fill_configs(self, spec: BuildSpec, repo: ModelRepository, checkpoint_ref: str) -> None:

@@ -1,0 +1,83 @@
+"""The torch engine in TensorRT-LLM's slot: pb_utils <-> tritonllm.engine (decoupled)."""
+
+import torch
+import triton_python_backend_utils as pb_utils
+
+from tritonllm.engine.runner import CausalLMRunner
+from tritonllm.engine.scheduler import Engine, EngineBusy
+from tritonllm.engine.tensors import chunk_to_tensors, is_stop_request, to_generation_request
+from tritonllm.model_args import ModelArgs
+from tritonllm.tokenization import InvalidRequest
+from tritonllm.triton_errors import triton_error
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonSink:
+    """Sends a request's chunks through its decoupled response sender."""
+
+    def __init__(self, request, sender, generation_request):
+        self._request = request
+        self._sender = sender
+        self._generation_request = generation_request
+
+    def send(self, chunk):
+        if chunk.finished and not chunk.token_ids and self._generation_request.streaming:
+            self._sender.send(flags=_FINAL)
+            return
+        tensors = chunk_to_tensors(chunk, self._generation_request)
+        response = pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(name, value) for name, value in tensors.items()]
+        )
+        self._sender.send(response, flags=_FINAL if chunk.finished else 0)
+
+    def fail(self, message):
+        error = triton_error(pb_utils, message, "INTERNAL")
+        self._sender.send(pb_utils.InferenceResponse(error=error), flags=_FINAL)
+
+    def is_cancelled(self):
+        return self._request.is_cancelled()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        model_args = ModelArgs(args)
+        threads = model_args.int("num_threads", 0)
+        if threads > 0:
+            torch.set_num_threads(threads)
+        runner = CausalLMRunner(model_args.path("engine_dir"), device=model_args.str("device", "auto"),
+                                dtype=model_args.str("dtype", "auto"))
+        self.engine = Engine(runner, max_batch_size=model_args.int("max_batch_size", 8),
+                             max_queue_size=model_args.int("max_queue_size", 256),
+                             max_seq_len=model_args.int("max_seq_len", 0) or None)
+
+    def execute(self, requests):
+        for request in requests:
+            self._submit(request)
+        return None
+
+    def _submit(self, request):
+        def get(name):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        sender = request.get_response_sender()
+        try:
+            if is_stop_request(get):
+                self.engine.cancel(request.request_id())
+                sender.send(flags=_FINAL)
+                return
+            generation_request = to_generation_request(request.request_id(), get)
+            self.engine.submit(generation_request, TritonSink(request, sender, generation_request))
+        except InvalidRequest as exc:
+            sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, str(exc))),
+                        flags=_FINAL)
+        except EngineBusy as exc:
+            sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, str(exc),
+                                                                      "UNAVAILABLE")),
+                        flags=_FINAL)
+
+    def finalize(self):
+        self.engine.shutdown()
+
+

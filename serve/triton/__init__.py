@@ -1,0 +1,1 @@
+"""One Triton server per replica."""

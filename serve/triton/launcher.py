@@ -1,0 +1,254 @@
+"""Find, start, supervise and stop a Triton server as a child process.
+
+Triton comes from the NGC image (``/opt/tritonserver``) or, everywhere else, from
+the ``nvidia-pytriton`` wheel, which ships a real Triton 2.51 binary. The wheel's
+binary needs three things (checked on these machines): its bundled libraries on
+``LD_LIBRARY_PATH``, the Python-backend stub for the running Python inside the
+backend folder, and this virtualenv's ``bin/`` first on ``PATH`` so the stub's
+interpreter imports this project's packages.
+
+``python -m serve.triton.launcher --model-repository model_repository`` runs it in
+the foreground (``make triton``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+NGC_ROOT = Path("/opt/tritonserver")
+
+
+class TritonLaunchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    backend_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _pytriton_install() -> TritonInstall | None:
+    try:
+        import pytriton
+    except ImportError:
+        return None
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / py / "triton_python_backend_stub"
+    if not stub.exists():
+        raise TritonLaunchError(f"nvidia-pytriton has no Python-backend stub for Python {py}")
+    backend_dir = _backend_dir_with_stub(root / "backends", stub)
+    # The stub must load the libpython of *this* interpreter: a system libpython of
+    # another patch release (Debian's 3.11.2 beside pyenv's 3.11.7) fails on the
+    # stdlib's extension modules (undefined symbol _PyModule_Add).
+    libdir = sysconfig.get_config_var("LIBDIR")
+    ld_path = os.pathsep.join(filter(None, [libdir, str(libs), os.environ.get("LD_LIBRARY_PATH")]))
+    return TritonInstall(root / "bin" / "tritonserver", backend_dir, {"LD_LIBRARY_PATH": ld_path})
+
+
+def _backend_dir_with_stub(backends: Path, stub: Path) -> Path:
+    """A copy of the wheel's backends with the stub for this Python placed in it."""
+    target = Path(sys.prefix) / "share" / "tritonllm" / "backends"
+    stub_copy = target / "python" / "triton_python_backend_stub"
+    if not stub_copy.exists() or stub_copy.stat().st_size != stub.stat().st_size:
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(backends, target)
+        shutil.copy2(stub, stub_copy)
+    return target
+
+
+def find_triton() -> TritonInstall:
+    """The server to run: $TRITONSERVER_BIN, the NGC image's, or the pytriton wheel's."""
+    if os.environ.get("TRITONSERVER_BIN"):
+        binary = Path(os.environ["TRITONSERVER_BIN"])
+        backends = Path(os.environ.get("TRITON_BACKEND_DIR", binary.parent.parent / "backends"))
+        return TritonInstall(binary, backends)
+    if (NGC_ROOT / "bin" / "tritonserver").exists():
+        return TritonInstall(NGC_ROOT / "bin" / "tritonserver", NGC_ROOT / "backends")
+    install = _pytriton_install()
+    if install is None:
+        raise TritonLaunchError(
+            "no Triton server found: install the CPU server with `pip install nvidia-pytriton==0.7.0` "
+            "(make venv does), run inside the NGC tritonserver image, or set TRITONSERVER_BIN"
+        )
+    _check_libpython()
+    return install
+
+
+def _check_libpython() -> None:
+    """The wheel's stub links the shared libpython of this Python version."""
+    name = f"libpython{sys.version_info.major}.{sys.version_info.minor}.so.1.0"
+    if ctypes.util.find_library(f"python{sys.version_info.major}.{sys.version_info.minor}"):
+        return
+    if (Path(sysconfig.get_config_var("LIBDIR") or "") / name).exists():
+        return
+    raise TritonLaunchError(
+        f"{name} not found: the Python backend stub needs a shared libpython "
+        f"(Debian/Ubuntu: apt-get install libpython{sys.version_info.major}.{sys.version_info.minor})"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Child-side: get SIGTERM when the parent dies, so no Triton is orphaned (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class TritonProcess:
+    """A Triton server child process on 127.0.0.1."""
+
+    def __init__(self, model_repository: Path | str, http_port: int = 0, grpc_port: int = 0,
+                 metrics_port: int = 0, extra_args: tuple[str, ...] = (),
+                 log_path: Path | None = None):
+        self.model_repository = Path(model_repository).resolve()
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.extra_args = extra_args
+        self.log_path = log_path or Path(tempfile.mkstemp(prefix="triton-", suffix=".log")[1])
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def command(self, install: TritonInstall) -> list[str]:
+        return [
+            str(install.binary),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={install.backend_dir}",
+            "--http-address=127.0.0.1", f"--http-port={self.http_port}",
+            "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
+            "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true", "--disable-auto-complete-config",
+            *self.extra_args,
+        ]
+
+    def start(self, timeout_s: float = 120.0, stdout=None) -> TritonProcess:
+        if not self.model_repository.is_dir():
+            raise TritonLaunchError(f"model repository {self.model_repository} does not exist")
+        install = find_triton()
+        env = {**os.environ, **install.env}
+        # The stub's embedded interpreter finds this venv's packages through PATH.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        out = stdout or open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
+        log.info("starting %s", " ".join(self.command(install)))
+        self._proc = subprocess.Popen(self.command(install), env=env, stdout=out,
+                                      stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self.wait_ready(timeout_s)
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise TritonLaunchError(
+                    f"Triton exited with code {self._proc.returncode} before it was ready:\n"
+                    + self.log_tail()
+                )
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        self.stop()
+        raise TritonLaunchError(f"Triton was not ready after {timeout_s:.0f} s:\n" + self.log_tail())
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def poll(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        self._proc.send_signal(signal.SIGTERM)
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def __enter__(self):
+        return self.start() if self._proc is None else self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m serve.triton.launcher",
+                                description="Run Triton in the foreground on a model repository.")
+    p.add_argument("--model-repository", default="model_repository")
+    p.add_argument("--http-port", type=int, default=8010)
+    p.add_argument("--grpc-port", type=int, default=8011)
+    p.add_argument("--metrics-port", type=int, default=8012)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    server = TritonProcess(args.model_repository, args.http_port, args.grpc_port,
+                           args.metrics_port)
+    if not (server.model_repository / "ensemble" / "config.pbtxt").exists():
+        print(f"{server.model_repository} is not built: run `make engines` first", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    try:
+        server.start(args.timeout, stdout=sys.stdout)
+        log.info("Triton ready: HTTP %s, gRPC %s, metrics 127.0.0.1:%d (Ctrl-C stops)",
+                 server.http_url, server.grpc_url, server.metrics_port)
+        while server.poll() is None:
+            time.sleep(0.5)
+    except TritonLaunchError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

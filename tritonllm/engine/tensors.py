@@ -1,0 +1,88 @@
+"""tensorrt_llm tensors <-> GenerationRequest / GenerationChunk (no pb_utils here)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from tritonllm.engine.request import GenerationRequest
+from tritonllm.engine.sampling import SamplingParams
+from tritonllm.engine.scheduler import GenerationChunk
+from tritonllm.tokenization import InvalidRequest, from_word_list
+
+Getter = Callable[[str], "np.ndarray | None"]
+
+
+def _scalar(get: Getter, name: str, cast, default=None):
+    value = get(name)
+    if value is None:
+        return default
+    flat = np.asarray(value).reshape(-1)
+    if flat.size != 1:
+        raise InvalidRequest(f"{name} must hold exactly one value, got shape {list(value.shape)}")
+    return cast(flat[0])
+
+
+def _word_list(get: Getter, name: str) -> tuple[tuple[int, ...], ...]:
+    value = get(name)
+    if value is None:
+        return ()
+    value = np.asarray(value)
+    return tuple(tuple(w) for w in from_word_list(value.reshape(value.shape[-2:])))
+
+
+def is_stop_request(get: Getter) -> bool:
+    return bool(_scalar(get, "stop", bool, False))
+
+
+def to_generation_request(request_id: str, get: Getter) -> GenerationRequest:
+    """Read one tensorrt_llm request (batch dimension 1)."""
+    input_ids = np.asarray(get("input_ids"))
+    if input_ids.ndim == 2 and input_ids.shape[0] != 1:
+        raise InvalidRequest(
+            f"batch size {input_ids.shape[0]} per request is not supported by the in-flight "
+            "batcher; send one request per prompt"
+        )
+    length = _scalar(get, "input_lengths", int, input_ids.shape[-1])
+    beam_width = _scalar(get, "beam_width", int, 1)
+    if beam_width != 1:
+        raise InvalidRequest(f"beam_width {beam_width} is not supported by the torch engine; use 1")
+    sampling = SamplingParams(
+        temperature=_scalar(get, "temperature", float),
+        top_k=_scalar(get, "runtime_top_k", int, 0),
+        top_p=_scalar(get, "runtime_top_p", float),
+        seed=_scalar(get, "seed", int),
+        repetition_penalty=_scalar(get, "repetition_penalty", float, 1.0),
+        presence_penalty=_scalar(get, "presence_penalty", float, 0.0),
+        frequency_penalty=_scalar(get, "frequency_penalty", float, 0.0),
+        min_tokens=_scalar(get, "min_tokens", int, 0),
+        bad_words=_word_list(get, "bad_words_list"),
+    )
+    return GenerationRequest(
+        request_id=request_id,
+        input_ids=tuple(int(t) for t in input_ids.reshape(-1)[:length]),
+        max_tokens=_scalar(get, "request_output_len", int),
+        end_id=_scalar(get, "end_id", int),
+        pad_id=_scalar(get, "pad_id", int),
+        stop_words=_word_list(get, "stop_words_list"),
+        sampling=sampling,
+        streaming=_scalar(get, "streaming", bool, False),
+        exclude_input_in_output=_scalar(get, "exclude_input_in_output", bool, False),
+        return_log_probs=_scalar(get, "return_log_probs", bool, False),
+    )
+
+
+def chunk_to_tensors(chunk: GenerationChunk, request: GenerationRequest) -> dict[str, np.ndarray]:
+    """The tensorrt_llm outputs of one response, with the batch dimension (1)."""
+    log_probs = chunk.log_probs if request.return_log_probs else [0.0] * len(chunk.log_probs)
+    cum = chunk.cum_log_prob if request.return_log_probs else 0.0
+    return {
+        "output_ids": np.array([[chunk.token_ids]], dtype=np.int32).reshape(1, 1, -1),
+        "sequence_length": np.array([[len(chunk.token_ids)]], dtype=np.int32),
+        "cum_log_probs": np.array([[cum]], dtype=np.float32),
+        "output_log_probs": np.array([[log_probs]], dtype=np.float32).reshape(1, 1, -1),
+        "num_input_tokens": np.array([[chunk.num_input_tokens]], dtype=np.int32),
+        "num_output_tokens": np.array([[chunk.num_output_tokens]], dtype=np.int32),
+        "batch_index": np.zeros((1, 1), dtype=np.int32),
+    }

@@ -1,0 +1,59 @@
+"""The preprocessing step: prompts and word lists to token tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tritonllm import tokenization
+from tritonllm.tokenization import InvalidRequest
+
+
+def _scalar_column(values: np.ndarray | None, batch: int, default: int) -> np.ndarray:
+    if values is None:
+        return np.full((batch, 1), default, dtype=np.int32)
+    return np.asarray(values, dtype=np.int32).reshape(batch, 1)
+
+
+def _word_lists(tokenizer, values: np.ndarray | None, batch: int) -> np.ndarray:
+    rows = [tokenization.to_word_list(tokenizer, tokenization.decode_words(
+        None if values is None else values[i])) for i in range(batch)]
+    width = max(r.shape[1] for r in rows)
+    out = np.zeros((batch, 2, width), dtype=np.int32)
+    out[:, 1, :] = -1
+    for i, row in enumerate(rows):
+        out[i, :, : row.shape[1]] = row
+    return out
+
+
+def preprocess(tokenizer, query, request_output_len, bad_words=None, stop_words=None,
+               end_id=None, pad_id=None, add_special_tokens: bool = True) -> dict[str, np.ndarray]:
+    """Batch of requests (leading dim) to the tensors the ensemble feeds tensorrt_llm."""
+    batch = query.shape[0]
+    output_len = np.asarray(request_output_len, dtype=np.int32).reshape(batch, 1)
+    if (output_len <= 0).any():
+        raise InvalidRequest(
+            f"max_tokens must be > 0, got {int(output_len.min())}: ask for at least one token"
+        )
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    end_ids = _scalar_column(end_id, batch, eos)
+    pad_ids = _scalar_column(pad_id, batch, pad)
+
+    prompts = tokenization.decode_words(query)
+    if len(prompts) != batch:
+        raise InvalidRequest("text_input is empty: send a non-empty prompt")
+    ids = [tokenization.encode_prompt(tokenizer, p, add_special_tokens) for p in prompts]
+    width = max(len(x) for x in ids)
+    input_ids = np.empty((batch, width), dtype=np.int32)
+    for i, row in enumerate(ids):
+        input_ids[i, :] = pad_ids[i, 0]
+        input_ids[i, : len(row)] = row
+    return {
+        "INPUT_ID": input_ids,
+        "REQUEST_INPUT_LEN": np.array([[len(x)] for x in ids], dtype=np.int32),
+        "BAD_WORDS_IDS": _word_lists(tokenizer, bad_words, batch),
+        "STOP_WORDS_IDS": _word_lists(tokenizer, stop_words, batch),
+        "REQUEST_OUTPUT_LEN": output_len,
+        "OUT_END_ID": end_ids,
+        "OUT_PAD_ID": pad_ids,
+    }
