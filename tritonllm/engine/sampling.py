@@ -73,7 +73,7 @@ class TokenSampler:
 
     def __call__(self, logits: torch.Tensor, history: torch.Tensor, num_generated: int):
         """Return ``(token_id, log_prob)`` for 1-D ``logits`` given the ids so far."""
-        scores = logits.float().unsqueeze(0)
+        scores = logits.to(torch.float32, copy=True).unsqueeze(0)
         scores = self._penalize(scores, history, num_generated)
         if self.params.greedy:
             token = int(torch.argmax(scores, dim=-1))

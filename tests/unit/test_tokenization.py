@@ -1,0 +1,49 @@
+import numpy as np
+import pytest
+
+from tritonllm.preprocess import preprocess
+from tritonllm.tokenization import InvalidRequest, from_word_list, to_word_list
+
+
+def test_word_list_round_trip(tokenizer):
+    words = ["the cat", ".", "日本語"]
+    word_list = to_word_list(tokenizer, words)
+    assert word_list.shape[0] == 2 and word_list.dtype == np.int32
+    assert from_word_list(word_list) == [tokenizer.encode(w, add_special_tokens=False)
+                                         for w in words]
+
+
+def test_empty_word_list_means_no_words(tokenizer):
+    assert to_word_list(tokenizer, []).tolist() == [[0], [-1]]
+    assert from_word_list(to_word_list(tokenizer, [])) == []
+
+
+def test_malformed_word_list_is_rejected():
+    with pytest.raises(InvalidRequest):
+        from_word_list(np.array([[1, 2, 3], [2, 1, -1]]))
+    with pytest.raises(InvalidRequest):
+        from_word_list(np.array([1, 2, 3]))
+
+
+def test_preprocess_adds_bos_and_fills_end_and_pad_from_the_tokenizer(tokenizer):
+    out = preprocess(tokenizer, np.array([[b"The cat"]], dtype=object), np.array([[8]]))
+    ids = out["INPUT_ID"][0].tolist()
+    assert ids[0] == tokenizer.bos_token_id and ids == tokenizer.encode("The cat")
+    assert out["REQUEST_INPUT_LEN"].tolist() == [[len(ids)]]
+    assert out["OUT_END_ID"].tolist() == [[tokenizer.eos_token_id]]
+    assert out["OUT_PAD_ID"].tolist() == [[tokenizer.pad_token_id]]
+
+
+def test_preprocess_keeps_request_end_id_and_encodes_stop_words(tokenizer):
+    out = preprocess(tokenizer, np.array([[b"The cat"]], dtype=object), np.array([[8]]),
+                     stop_words=np.array([[b"ball", b"."]], dtype=object),
+                     end_id=np.array([[7]], dtype=np.int32))
+    assert out["OUT_END_ID"].tolist() == [[7]]
+    assert out["STOP_WORDS_IDS"].shape[:2] == (1, 2)
+    assert len(from_word_list(out["STOP_WORDS_IDS"][0])) == 2
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1])
+def test_preprocess_rejects_non_positive_max_tokens(tokenizer, max_tokens):
+    with pytest.raises(InvalidRequest, match="max_tokens must be > 0"):
+        preprocess(tokenizer, np.array([[b"hi"]], dtype=object), np.array([[max_tokens]]))
