@@ -20,7 +20,7 @@ from build_engines import default_model
 from build_engines.repository import ModelRepository
 from build_engines.targets import TARGETS, BuildSpec, EngineOptions, choose_target
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 class RichReporter:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 
@@ -39,6 +40,9 @@ class CausalLMRunner:
             engine_dir, dtype=torch_dtype, local_files_only=True
         ).to(self.device)
         self.model.eval()
+        # transformers 5.2x renamed past_key_values to cache; the NGC images ship older ones.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.vocab_size = int(self.config.vocab_size)
         self.max_position_embeddings = int(
             getattr(self.config, "max_position_embeddings", 0) or 2048
@@ -50,11 +54,14 @@ class CausalLMRunner:
         """Logits after the whole prompt, and the KV cache that holds it."""
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, use_cache=True)
-        return out.logits[0, -1], out.past_key_values
+        return out.logits[0, -1], self._cache_of(out)
 
     @torch.inference_mode()
     def decode(self, token_id: int, past_key_values):
         """Logits after one more token, extending ``past_key_values`` in place."""
         ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=past_key_values, use_cache=True)
-        return out.logits[0, -1], out.past_key_values
+        out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: past_key_values})
+        return out.logits[0, -1], self._cache_of(out)
+
+    def _cache_of(self, out):
+        return getattr(out, self._cache_arg)

@@ -1,0 +1,55 @@
+"""build_engines: errors that name the fix, targets, the generated-file policy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from build_engines.cli import main
+from build_engines.targets import choose_target
+from build_engines.targets.torch_engine import CheckpointError, validate_checkpoint
+from build_engines.targets.trtllm_engine import TrtllmTarget
+
+
+def test_missing_model_dir_names_the_fix(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist.*local Hugging Face checkpoint"):
+        validate_checkpoint(tmp_path / "nope")
+
+
+def test_dir_without_config_json(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        validate_checkpoint(tmp_path)
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    with pytest.raises(CheckpointError, match="not a causal LM"):
+        validate_checkpoint(tmp_path)
+
+
+def test_checkpoint_without_weights(tmp_path, checkpoint_dir):
+    (tmp_path / "config.json").write_text((checkpoint_dir / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="no weights"):
+        validate_checkpoint(tmp_path)
+
+
+def test_a_real_checkpoint_validates(checkpoint_dir):
+    assert validate_checkpoint(checkpoint_dir) == checkpoint_dir.resolve()
+
+
+def test_trtllm_target_says_what_is_missing():
+    reason = TrtllmTarget().unavailable_reason()
+    assert reason is not None and "TensorRT-LLM is not installed" in reason
+    assert "TARGET=torch" in reason
+
+
+def test_auto_picks_torch_without_tensorrt_llm():
+    assert choose_target("auto").name == "torch"
+
+
+def test_cli_reports_errors_with_exit_code_2(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["--target", "trtllm"]) == 2
+    assert "TensorRT-LLM is not installed" in capsys.readouterr().err
