@@ -1,0 +1,80 @@
+"""`make engines` and the Triton launcher as a user meets them."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from serve.triton.launcher import TritonLaunchError, TritonProcess
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_default_model_is_deterministic(tmp_path, built_repository, checkpoint_dir):
+    copy = tmp_path / "model_repository"
+    shutil.copytree(built_repository, copy, ignore=shutil.ignore_patterns("hf_model"))
+    subprocess.run([sys.executable, "-m", "build_engines", "--repository", str(copy), "--force"],
+                   check=True, cwd=ROOT, capture_output=True)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert digest(copy / "tensorrt_llm/1/hf_model" / name) == digest(checkpoint_dir / name)
+
+
+def test_a_build_leaves_git_status_clean(built_repository):
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    status = subprocess.run(["git", "status", "--porcelain", "--", "model_repository"],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert status == ""
+
+
+def test_a_second_build_is_skipped(built_repository):
+    out = subprocess.run([sys.executable, "-m", "build_engines", "--repository",
+                          str(built_repository)], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    assert "up to date" in out.stderr
+
+
+def test_a_repository_that_fails_to_load_reports_tritons_error(tmp_path, built_repository):
+    repo = tmp_path / "model_repository"
+    shutil.copytree(built_repository, repo, ignore=shutil.ignore_patterns("hf_model"))
+    config = repo / "tensorrt_llm" / "config.pbtxt"
+    config.write_text(config.read_text().replace("tensorrt_llm/1/hf_model", "/nonexistent"))
+    with pytest.raises(TritonLaunchError, match="no config.json"):
+        TritonProcess(repo).start(timeout_s=120)
+
+
+def test_triton_does_not_outlive_its_parent(built_repository):
+    script = textwrap.dedent(f"""
+        import sys, time
+        from serve.triton.launcher import TritonProcess
+        server = TritonProcess({str(built_repository)!r}).start(timeout_s=120)
+        print(server._proc.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    triton_pid = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(triton_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(triton_pid, signal.SIGKILL)
+    pytest.fail("tritonserver kept running after its parent was killed")
