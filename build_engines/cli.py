@@ -53,25 +53,56 @@ class RichReporter:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m build_engines", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="auto", choices=["auto", *TARGETS],
-                   help="engine for the tensorrt_llm slot (auto: trtllm if installed, else torch)")
-    p.add_argument("--model", type=Path, help="local Hugging Face checkpoint directory "
-                   "(default: build the project's small default model)")
-    p.add_argument("--size", default="tiny", choices=sorted(default_model.SIZES),
-                   help="default model size when --model is not given")
-    p.add_argument("--repository", type=Path, default=Path("model_repository"),
-                   help="the model repository to fill")
+    p = argparse.ArgumentParser(
+        prog="python -m build_engines",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--target",
+        default="auto",
+        choices=["auto", *TARGETS],
+        help="engine for the tensorrt_llm slot (auto: trtllm if installed, else torch)",
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="local Hugging Face checkpoint directory "
+        "(default: build the project's small default model)",
+    )
+    p.add_argument(
+        "--size",
+        default="tiny",
+        choices=sorted(default_model.SIZES),
+        help="default model size when --model is not given",
+    )
+    p.add_argument(
+        "--repository",
+        type=Path,
+        default=Path("model_repository"),
+        help="the model repository to fill",
+    )
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
     p.add_argument("--clean", action="store_true", help="remove everything a build wrote")
     defaults = EngineOptions()
-    p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
-                   help="sequences the engine runs at once")
-    p.add_argument("--max-queue-size", type=int, default=defaults.max_queue_size,
-                   help="queued requests before the engine answers busy")
-    p.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len,
-                   help="cap on prompt + output tokens (0: the model's context)")
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=defaults.max_batch_size,
+        help="sequences the engine runs at once",
+    )
+    p.add_argument(
+        "--max-queue-size",
+        type=int,
+        default=defaults.max_queue_size,
+        help="queued requests before the engine answers busy",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=defaults.max_seq_len,
+        help="cap on prompt + output tokens (0: the model's context)",
+    )
     p.add_argument("--device", default=defaults.device, help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", default=defaults.dtype, help="auto | float32 | float16 | bfloat16")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -92,9 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         reason = target.unavailable_reason()
         if reason:
             raise RuntimeError(f"target {target.name} cannot build here: {reason}")
-        options = EngineOptions(max_batch_size=args.max_batch_size,
-                                max_queue_size=args.max_queue_size,
-                                max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype)
+        options = EngineOptions(
+            max_batch_size=args.max_batch_size,
+            max_queue_size=args.max_queue_size,
+            max_seq_len=args.max_seq_len,
+            device=args.device,
+            dtype=args.dtype,
+        )
         spec = BuildSpec(model=args.model, size=args.size, options=options, force=args.force)
         report = target.build(spec, repo, RichReporter())
     except (OSError, ValueError, RuntimeError) as exc:

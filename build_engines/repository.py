@@ -46,7 +46,8 @@ class ModelRepository:
         missing = [m for m in contract.MODELS if not self.model_dir(m).is_dir()]
         if missing:
             raise FileNotFoundError(
-                f"{self.root} is not this project's model repository (missing {', '.join(missing)}); "
+                f"{self.root} is not this project's model repository "
+                f"(missing {', '.join(missing)}); "
                 "run from the project root or pass --repository model_repository"
             )
 

@@ -40,4 +40,6 @@ def fill(template: Path, model: str, values: dict[str, object]) -> str:
     try:
         return string.Template(template.read_text()).substitute(mapping)
     except KeyError as missing:
-        raise TemplateError(f"{template}: no value for placeholder ${{{missing.args[0]}}}") from None
+        raise TemplateError(
+            f"{template}: no value for placeholder ${{{missing.args[0]}}}"
+        ) from None

@@ -15,8 +15,11 @@ REPOSITORY = ROOT / "model_repository"
 @pytest.fixture(scope="session")
 def built_repository() -> Path:
     """The default model repository, built if needed (a no-op when current)."""
-    subprocess.run([sys.executable, "-m", "build_engines", "--repository", str(REPOSITORY)],
-                   check=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "build_engines", "--repository", str(REPOSITORY)],
+        check=True,
+        cwd=ROOT,
+    )
     return REPOSITORY
 
 

@@ -10,9 +10,14 @@ def hf_greedy(model, tokenizer, prompt: str, max_tokens: int, end_id: int | None
     ids = torch.tensor([tokenizer.encode(prompt)])
     eos = tokenizer.eos_token_id if end_id is None else end_id
     with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
-                             pad_token_id=tokenizer.pad_token_id)
-    generated = out[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    generated = out[0, ids.shape[1] :].tolist()
     if eos in generated:
         generated = generated[: generated.index(eos)]
     return generated

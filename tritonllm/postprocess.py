@@ -7,8 +7,14 @@ import numpy as np
 from tritonllm.detokenize import StreamDetokenizers
 
 
-def postprocess(tokenizer, streams: StreamDetokenizers, tokens_batch, sequence_length,
-                request_id: str = "", skip_special_tokens: bool = True) -> np.ndarray:
+def postprocess(
+    tokenizer,
+    streams: StreamDetokenizers,
+    tokens_batch,
+    sequence_length,
+    request_id: str = "",
+    skip_special_tokens: bool = True,
+) -> np.ndarray:
     """``TOKENS_BATCH [B, beam, T]`` and ``SEQUENCE_LENGTH [B, beam]`` to ``OUTPUT [B, beam]``.
 
     A single sequence with a request id goes through that request's incremental

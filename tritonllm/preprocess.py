@@ -15,8 +15,12 @@ def _scalar_column(values: np.ndarray | None, batch: int, default: int) -> np.nd
 
 
 def _word_lists(tokenizer, values: np.ndarray | None, batch: int) -> np.ndarray:
-    rows = [tokenization.to_word_list(tokenizer, tokenization.decode_words(
-        None if values is None else values[i])) for i in range(batch)]
+    rows = [
+        tokenization.to_word_list(
+            tokenizer, tokenization.decode_words(None if values is None else values[i])
+        )
+        for i in range(batch)
+    ]
     width = max(r.shape[1] for r in rows)
     out = np.zeros((batch, 2, width), dtype=np.int32)
     out[:, 1, :] = -1
@@ -25,8 +29,16 @@ def _word_lists(tokenizer, values: np.ndarray | None, batch: int) -> np.ndarray:
     return out
 
 
-def preprocess(tokenizer, query, request_output_len, bad_words=None, stop_words=None,
-               end_id=None, pad_id=None, add_special_tokens: bool = True) -> dict[str, np.ndarray]:
+def preprocess(
+    tokenizer,
+    query,
+    request_output_len,
+    bad_words=None,
+    stop_words=None,
+    end_id=None,
+    pad_id=None,
+    add_special_tokens: bool = True,
+) -> dict[str, np.ndarray]:
     """Batch of requests (leading dim) to the tensors the ensemble feeds tensorrt_llm."""
     batch = query.shape[0]
     output_len = np.asarray(request_output_len, dtype=np.int32).reshape(batch, 1)

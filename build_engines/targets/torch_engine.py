@@ -97,7 +97,9 @@ class TorchTarget:
         ref = repo.reference(checkpoint)
         self._fill_configs(spec, repo, ref)
         repo.write_manifest(fingerprint)
-        return BuildReport(self.name, ref, ref, skipped, time.monotonic() - start, repo.size_bytes())
+        return BuildReport(
+            self.name, ref, ref, skipped, time.monotonic() - start, repo.size_bytes()
+        )
 
     def _fill_configs(self, spec: BuildSpec, repo: ModelRepository, checkpoint_ref: str) -> None:
         o = spec.options

@@ -88,8 +88,8 @@ def find_triton() -> TritonInstall:
     install = _pytriton_install()
     if install is None:
         raise TritonLaunchError(
-            "no Triton server found: install the CPU server with `pip install nvidia-pytriton==0.7.0` "
-            "(make venv does), run inside the NGC tritonserver image, or set TRITONSERVER_BIN"
+            "no Triton server found: install the CPU server with "
+            "`pip install nvidia-pytriton==0.7.0` (make venv does), run inside the NGC tritonserver image, or set TRITONSERVER_BIN"
         )
     _check_libpython()
     return install
@@ -97,14 +97,15 @@ def find_triton() -> TritonInstall:
 
 def _check_libpython() -> None:
     """The wheel's stub links the shared libpython of this Python version."""
-    name = f"libpython{sys.version_info.major}.{sys.version_info.minor}.so.1.0"
-    if ctypes.util.find_library(f"python{sys.version_info.major}.{sys.version_info.minor}"):
+    py_version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    name = f"libpython{py_version}.so.1.0"
+    if ctypes.util.find_library(f"python{py_version}"):
         return
     if (Path(sysconfig.get_config_var("LIBDIR") or "") / name).exists():
         return
     raise TritonLaunchError(
         f"{name} not found: the Python backend stub needs a shared libpython "
-        f"(Debian/Ubuntu: apt-get install libpython{sys.version_info.major}.{sys.version_info.minor})"
+        f"(Debian/Ubuntu: apt-get install libpython{py_version})"
     )
 
 
@@ -126,9 +127,15 @@ def _die_with_parent() -> None:
 class TritonProcess:
     """A Triton server child process on 127.0.0.1."""
 
-    def __init__(self, model_repository: Path | str, http_port: int = 0, grpc_port: int = 0,
-                 metrics_port: int = 0, extra_args: tuple[str, ...] = (),
-                 log_path: Path | None = None):
+    def __init__(
+        self,
+        model_repository: Path | str,
+        http_port: int = 0,
+        grpc_port: int = 0,
+        metrics_port: int = 0,
+        extra_args: tuple[str, ...] = (),
+        log_path: Path | None = None,
+    ):
         self.model_repository = Path(model_repository).resolve()
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
@@ -150,10 +157,14 @@ class TritonProcess:
             str(install.binary),
             f"--model-repository={self.model_repository}",
             f"--backend-directory={install.backend_dir}",
-            "--http-address=127.0.0.1", f"--http-port={self.http_port}",
-            "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
-            "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
-            "--allow-metrics=true", "--disable-auto-complete-config",
+            "--http-address=127.0.0.1",
+            f"--http-port={self.http_port}",
+            "--grpc-address=127.0.0.1",
+            f"--grpc-port={self.grpc_port}",
+            "--metrics-address=127.0.0.1",
+            f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true",
+            "--disable-auto-complete-config",
             *self.extra_args,
         ]
 
@@ -166,8 +177,13 @@ class TritonProcess:
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         out = stdout or open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
         log.info("starting %s", " ".join(self.command(install)))
-        self._proc = subprocess.Popen(self.command(install), env=env, stdout=out,
-                                      stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self._proc = subprocess.Popen(
+            self.command(install),
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
         self.wait_ready(timeout_s)
         return self
 
@@ -190,7 +206,9 @@ class TritonProcess:
                 return
             time.sleep(0.25)
         self.stop()
-        raise TritonLaunchError(f"Triton was not ready after {timeout_s:.0f} s:\n" + self.log_tail())
+        raise TritonLaunchError(
+            f"Triton was not ready after {timeout_s:.0f} s:\n" + self.log_tail()
+        )
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -219,8 +237,10 @@ class TritonProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m serve.triton.launcher",
-                                description="Run Triton in the foreground on a model repository.")
+    p = argparse.ArgumentParser(
+        prog="python -m serve.triton.launcher",
+        description="Run Triton in the foreground on a model repository.",
+    )
     p.add_argument("--model-repository", default="model_repository")
     p.add_argument("--http-port", type=int, default=8010)
     p.add_argument("--grpc-port", type=int, default=8011)
@@ -228,16 +248,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    server = TritonProcess(args.model_repository, args.http_port, args.grpc_port,
-                           args.metrics_port)
+    server = TritonProcess(args.model_repository, args.http_port, args.grpc_port, args.metrics_port)
     if not (server.model_repository / "ensemble" / "config.pbtxt").exists():
         print(f"{server.model_repository} is not built: run `make engines` first", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     try:
         server.start(args.timeout, stdout=sys.stdout)
-        log.info("Triton ready: HTTP %s, gRPC %s, metrics 127.0.0.1:%d (Ctrl-C stops)",
-                 server.http_url, server.grpc_url, server.metrics_port)
+        log.info(
+            "Triton ready: HTTP %s, gRPC %s, metrics 127.0.0.1:%d (Ctrl-C stops)",
+            server.http_url,
+            server.grpc_url,
+            server.metrics_port,
+        )
         while server.poll() is None:
             time.sleep(0.5)
     except TritonLaunchError as exc:

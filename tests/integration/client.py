@@ -44,16 +44,25 @@ def make_inputs(prompt: str, max_tokens: int | None, **optional) -> list:
     return inputs
 
 
-def generate(url: str, prompt: str, max_tokens: int | None = 16, timeout_s: float = 60,
-             request_id: str | None = None, **optional) -> Result:
+def generate(
+    url: str,
+    prompt: str,
+    max_tokens: int | None = 16,
+    timeout_s: float = 60,
+    request_id: str | None = None,
+    **optional,
+) -> Result:
     """Run one ensemble request over a gRPC stream; raise on a Triton error."""
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer("ensemble", make_inputs(prompt, max_tokens, **optional),
-                                  request_id=request_id or uuid.uuid4().hex,
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(
+            "ensemble",
+            make_inputs(prompt, max_tokens, **optional),
+            request_id=request_id or uuid.uuid4().hex,
+            enable_empty_final_response=True,
+        )
         chunks, outputs = [], []
         while True:
             result, error = responses.get(timeout=timeout_s)

@@ -26,8 +26,12 @@ def digest(path) -> str:
 def test_the_default_model_is_deterministic(tmp_path, built_repository, checkpoint_dir):
     copy = tmp_path / "model_repository"
     shutil.copytree(built_repository, copy, ignore=shutil.ignore_patterns("hf_model"))
-    subprocess.run([sys.executable, "-m", "build_engines", "--repository", str(copy), "--force"],
-                   check=True, cwd=ROOT, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "build_engines", "--repository", str(copy), "--force"],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+    )
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert digest(copy / "tensorrt_llm/1/hf_model" / name) == digest(checkpoint_dir / name)
 
@@ -35,15 +39,24 @@ def test_the_default_model_is_deterministic(tmp_path, built_repository, checkpoi
 def test_a_build_leaves_git_status_clean(built_repository):
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
-    status = subprocess.run(["git", "status", "--porcelain", "--", "model_repository"],
-                            cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--", "model_repository"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert status == ""
 
 
 def test_a_second_build_is_skipped(built_repository):
-    out = subprocess.run([sys.executable, "-m", "build_engines", "--repository",
-                          str(built_repository)], cwd=ROOT, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "build_engines", "--repository", str(built_repository)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "up to date" in out.stderr
 
 
@@ -64,8 +77,9 @@ def test_triton_does_not_outlive_its_parent(built_repository):
         print(server._proc.pid, flush=True)
         time.sleep(600)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
-                              text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     triton_pid = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()

@@ -23,8 +23,14 @@ PROMPTS = [
 @pytest.mark.parametrize("stream", [False, True])
 def test_greedy_output_equals_transformers_generate(triton, tokenizer, hf_model, prompt, stream):
     expected = hf_greedy(hf_model, tokenizer, prompt, max_tokens=24)
-    result = generate(triton.grpc_url, prompt, max_tokens=24, stream=stream,
-                      exclude_input_in_output=True, temperature=0.0)
+    result = generate(
+        triton.grpc_url,
+        prompt,
+        max_tokens=24,
+        stream=stream,
+        exclude_input_in_output=True,
+        temperature=0.0,
+    )
     assert result.text == tokenizer.decode(expected, skip_special_tokens=True)
     assert num_output_tokens(result) == len(expected)
 
@@ -32,10 +38,10 @@ def test_greedy_output_equals_transformers_generate(triton, tokenizer, hf_model,
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_streamed_chunks_join_into_the_non_streamed_text(triton, prompt):
     # end_id = pad keeps the model writing past its first sentence (mixed scripts).
-    whole = generate(triton.grpc_url, prompt, max_tokens=40, exclude_input_in_output=True,
-                     end_id=0)
-    streamed = generate(triton.grpc_url, prompt, max_tokens=40, stream=True,
-                        exclude_input_in_output=True, end_id=0)
+    whole = generate(triton.grpc_url, prompt, max_tokens=40, exclude_input_in_output=True, end_id=0)
+    streamed = generate(
+        triton.grpc_url, prompt, max_tokens=40, stream=True, exclude_input_in_output=True, end_id=0
+    )
     assert len(streamed.chunks) > 1
     assert streamed.text == whole.text
     assert "\ufffd" not in streamed.text
@@ -58,8 +64,14 @@ def test_output_includes_the_prompt_unless_excluded(triton, tokenizer):
 
 def test_max_tokens_is_honoured(triton):
     for max_tokens in (1, 5, 17):
-        result = generate(triton.grpc_url, "The river", max_tokens=max_tokens, end_id=0,
-                          exclude_input_in_output=True, return_num_output_tokens=True)
+        result = generate(
+            triton.grpc_url,
+            "The river",
+            max_tokens=max_tokens,
+            end_id=0,
+            exclude_input_in_output=True,
+            return_num_output_tokens=True,
+        )
         assert num_output_tokens(result) == max_tokens
 
 
@@ -67,8 +79,9 @@ def test_end_id_stops_generation_before_that_token(triton, tokenizer, hf_model):
     free_run = hf_greedy(hf_model, tokenizer, "The cat", max_tokens=20, end_id=0)
     stop_token = free_run[5]
     cut = free_run.index(stop_token)
-    result = generate(triton.grpc_url, "The cat", max_tokens=20, end_id=stop_token,
-                      exclude_input_in_output=True)
+    result = generate(
+        triton.grpc_url, "The cat", max_tokens=20, end_id=stop_token, exclude_input_in_output=True
+    )
     assert result.text == text_of(tokenizer, free_run[:cut])
     assert num_output_tokens(result) == cut
 
@@ -87,8 +100,15 @@ def test_stop_word_ends_generation_after_it(triton, tokenizer, hf_model):
     assert tokenizer.encode(stop_text, add_special_tokens=False) == free_run[3:4]
     first = next(i for i, t in enumerate(free_run) if t == free_run[3])
     for stream in (False, True):
-        result = generate(triton.grpc_url, "The cat", max_tokens=20, end_id=0, stream=stream,
-                          stop_words=[stop_text], exclude_input_in_output=True)
+        result = generate(
+            triton.grpc_url,
+            "The cat",
+            max_tokens=20,
+            end_id=0,
+            stream=stream,
+            stop_words=[stop_text],
+            exclude_input_in_output=True,
+        )
         assert result.text == text_of(tokenizer, free_run[: first + 1])
         assert num_output_tokens(result) == first + 1
 
@@ -104,8 +124,9 @@ def test_stop_word_ends_generation_after_it(triton, tokenizer, hf_model):
         (16, {"top_p": 1.5}, "top_p"),
     ],
 )
-def test_bad_requests_get_an_error_and_the_server_keeps_serving(triton, max_tokens, optional,
-                                                                message):
+def test_bad_requests_get_an_error_and_the_server_keeps_serving(
+    triton, max_tokens, optional, message
+):
     with pytest.raises(InferenceServerException, match=message):
         generate(triton.grpc_url, "The cat", max_tokens=max_tokens, **optional)
     assert generate(triton.grpc_url, "The cat", max_tokens=4).text.startswith("The cat")
@@ -126,8 +147,9 @@ def test_http_generate_endpoint(triton):
     import urllib.request
 
     body = json.dumps({"text_input": "The cat", "max_tokens": 6}).encode()
-    request = urllib.request.Request(f"http://{triton.http_url}/v2/models/ensemble/generate",
-                                     data=body, method="POST")
+    request = urllib.request.Request(
+        f"http://{triton.http_url}/v2/models/ensemble/generate", data=body, method="POST"
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         answer = json.loads(response.read())
     assert answer["text_output"].startswith("The cat")

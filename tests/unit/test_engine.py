@@ -45,8 +45,13 @@ def engine(checkpoint_dir):
 
 
 def request(tokenizer, prompt, max_tokens, rid="r", **kwargs):
-    return GenerationRequest(request_id=rid, input_ids=tuple(tokenizer.encode(prompt)),
-                             max_tokens=max_tokens, end_id=kwargs.pop("end_id", 0), **kwargs)
+    return GenerationRequest(
+        request_id=rid,
+        input_ids=tuple(tokenizer.encode(prompt)),
+        max_tokens=max_tokens,
+        end_id=kwargs.pop("end_id", 0),
+        **kwargs,
+    )
 
 
 def test_interleaved_requests_each_equal_generate(engine, tokenizer, hf_model):
@@ -54,10 +59,19 @@ def test_interleaved_requests_each_equal_generate(engine, tokenizer, hf_model):
     sinks = []
     for i, prompt in enumerate(prompts):
         sink = CollectingSink()
-        engine.submit(request(tokenizer, prompt, 10 + 3 * i, rid=str(i), streaming=i % 2 == 0,
-                              exclude_input_in_output=True), sink)
+        engine.submit(
+            request(
+                tokenizer,
+                prompt,
+                10 + 3 * i,
+                rid=str(i),
+                streaming=i % 2 == 0,
+                exclude_input_in_output=True,
+            ),
+            sink,
+        )
         sinks.append(sink)
-    for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
+    for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
         assert sink.done.wait(60)
         assert sink.tokens() == hf_greedy(hf_model, tokenizer, prompt, 10 + 3 * i, end_id=0)
         assert sink.chunks[-1].finish_reason == "length"
@@ -104,8 +118,9 @@ def test_seeded_sampling_reproduces(engine, tokenizer):
     for _ in range(2):
         sink = CollectingSink()
         params = SamplingParams(temperature=1.5, top_p=0.95, seed=7)
-        engine.submit(request(tokenizer, "The cat", 20, sampling=params,
-                              exclude_input_in_output=True), sink)
+        engine.submit(
+            request(tokenizer, "The cat", 20, sampling=params, exclude_input_in_output=True), sink
+        )
         assert sink.done.wait(30)
         outs.append(sink.tokens())
     assert outs[0] == outs[1]

@@ -27,8 +27,9 @@ def configs(tmp_path_factory):
     TorchTarget()._fill_configs(BuildSpec(model=None), repo, "tensorrt_llm/1/hf_model")
     parsed = {}
     for model in contract.MODELS:
-        parsed[model] = text_format.Parse(repo.config_path(model).read_text(),
-                                          model_config_pb2.ModelConfig())
+        parsed[model] = text_format.Parse(
+            repo.config_path(model).read_text(), model_config_pb2.ModelConfig()
+        )
     return parsed
 
 
@@ -39,7 +40,7 @@ def test_tensors_match_the_contract(configs, model):
     assert config.name == model
     for declared, expected in ((config.input, inputs), (config.output, outputs)):
         assert [t.name for t in declared] == [t.name for t in expected]
-        for tensor, spec in zip(declared, expected):
+        for tensor, spec in zip(declared, expected, strict=True):
             assert DTYPES[tensor.data_type] == spec.triton_dtype
             assert tuple(tensor.dims) == spec.dims
             assert getattr(tensor, "optional", False) == spec.optional

@@ -55,8 +55,16 @@ def test_repetition_and_presence_penalties_change_the_choice():
     assert TokenSampler(SamplingParams(frequency_penalty=1.0), None)(LOGITS, history, 1)[0] == 2
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_p": 1.5}, {"top_k": -2},
-                                    {"repetition_penalty": 0}, {"min_tokens": -1}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -1},
+        {"top_p": 1.5},
+        {"top_k": -2},
+        {"repetition_penalty": 0},
+        {"min_tokens": -1},
+    ],
+)
 def test_invalid_parameters_are_rejected(kwargs):
     with pytest.raises(InvalidRequest):
         SamplingParams(**kwargs)

@@ -9,8 +9,9 @@ def test_word_list_round_trip(tokenizer):
     words = ["the cat", ".", "日本語"]
     word_list = to_word_list(tokenizer, words)
     assert word_list.shape[0] == 2 and word_list.dtype == np.int32
-    assert from_word_list(word_list) == [tokenizer.encode(w, add_special_tokens=False)
-                                         for w in words]
+    assert from_word_list(word_list) == [
+        tokenizer.encode(w, add_special_tokens=False) for w in words
+    ]
 
 
 def test_empty_word_list_means_no_words(tokenizer):
@@ -35,9 +36,13 @@ def test_preprocess_adds_bos_and_fills_end_and_pad_from_the_tokenizer(tokenizer)
 
 
 def test_preprocess_keeps_request_end_id_and_encodes_stop_words(tokenizer):
-    out = preprocess(tokenizer, np.array([[b"The cat"]], dtype=object), np.array([[8]]),
-                     stop_words=np.array([[b"ball", b"."]], dtype=object),
-                     end_id=np.array([[7]], dtype=np.int32))
+    out = preprocess(
+        tokenizer,
+        np.array([[b"The cat"]], dtype=object),
+        np.array([[8]]),
+        stop_words=np.array([[b"ball", b"."]], dtype=object),
+        end_id=np.array([[7]], dtype=np.int32),
+    )
     assert out["OUT_END_ID"].tolist() == [[7]]
     assert out["STOP_WORDS_IDS"].shape[:2] == (1, 2)
     assert len(from_word_list(out["STOP_WORDS_IDS"][0])) == 2

@@ -67,12 +67,18 @@ class Sequence:
 class Engine:
     """Owns the model and one scheduler thread; thread-safe ``submit``/``cancel``."""
 
-    def __init__(self, runner: CausalLMRunner, max_batch_size: int = 8, max_queue_size: int = 256,
-                 max_seq_len: int | None = None):
+    def __init__(
+        self,
+        runner: CausalLMRunner,
+        max_batch_size: int = 8,
+        max_queue_size: int = 256,
+        max_seq_len: int | None = None,
+    ):
         self.runner = runner
         self.max_batch_size = max_batch_size
-        self.max_seq_len = min(max_seq_len or runner.max_position_embeddings,
-                               runner.max_position_embeddings)
+        self.max_seq_len = min(
+            max_seq_len or runner.max_position_embeddings, runner.max_position_embeddings
+        )
         self._pending: queue.Queue[Sequence] = queue.Queue(maxsize=max_queue_size)
         self._running: list[Sequence] = []
         self._cancelled: set[str] = set()
@@ -173,7 +179,7 @@ class Engine:
         seq.past_key_values = None
         request = seq.request
         if request.streaming:
-            tokens, log_probs = seq.generated[seq.sent:], seq.log_probs[seq.sent:]
+            tokens, log_probs = seq.generated[seq.sent :], seq.log_probs[seq.sent :]
         elif request.exclude_input_in_output:
             tokens, log_probs = seq.generated, seq.log_probs
         else:
@@ -194,5 +200,6 @@ class Engine:
 
 
 def _ends_with_stop_word(generated: list[int], stop_words) -> bool:
-    return any(len(w) <= len(generated) and tuple(generated[-len(w):]) == tuple(w)
-               for w in stop_words)
+    return any(
+        len(w) <= len(generated) and tuple(generated[-len(w) :]) == tuple(w) for w in stop_words
+    )

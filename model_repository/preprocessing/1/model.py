@@ -8,8 +8,12 @@ from tritonllm.preprocess import preprocess
 from tritonllm.triton_errors import triton_error
 
 _INPUTS = {
-    "QUERY": "query", "REQUEST_OUTPUT_LEN": "request_output_len", "BAD_WORDS_DICT": "bad_words",
-    "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id",
+    "QUERY": "query",
+    "REQUEST_OUTPUT_LEN": "request_output_len",
+    "BAD_WORDS_DICT": "bad_words",
+    "STOP_WORDS_DICT": "stop_words",
+    "END_ID": "end_id",
+    "PAD_ID": "pad_id",
 }
 
 
@@ -28,8 +32,9 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             kwargs[arg] = None if tensor is None else tensor.as_numpy()
         try:
-            outputs = preprocess(self.tokenizer, add_special_tokens=self.add_special_tokens,
-                                 **kwargs)
+            outputs = preprocess(
+                self.tokenizer, add_special_tokens=self.add_special_tokens, **kwargs
+            )
         except tokenization.InvalidRequest as exc:
             return pb_utils.InferenceResponse(error=triton_error(pb_utils, str(exc)))
         tensors = [

@@ -45,11 +45,17 @@ class TritonPythonModel:
         threads = model_args.int("num_threads", 0)
         if threads > 0:
             torch.set_num_threads(threads)
-        runner = CausalLMRunner(model_args.path("engine_dir"), device=model_args.str("device", "auto"),
-                                dtype=model_args.str("dtype", "auto"))
-        self.engine = Engine(runner, max_batch_size=model_args.int("max_batch_size", 8),
-                             max_queue_size=model_args.int("max_queue_size", 256),
-                             max_seq_len=model_args.int("max_seq_len", 0) or None)
+        runner = CausalLMRunner(
+            model_args.path("engine_dir"),
+            device=model_args.str("device", "auto"),
+            dtype=model_args.str("dtype", "auto"),
+        )
+        self.engine = Engine(
+            runner,
+            max_batch_size=model_args.int("max_batch_size", 8),
+            max_queue_size=model_args.int("max_queue_size", 256),
+            max_seq_len=model_args.int("max_seq_len", 0) or None,
+        )
 
     def execute(self, requests):
         for request in requests:
@@ -70,14 +76,14 @@ class TritonPythonModel:
             generation_request = to_generation_request(request.request_id(), get)
             self.engine.submit(generation_request, TritonSink(request, sender, generation_request))
         except InvalidRequest as exc:
-            sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, str(exc))),
-                        flags=_FINAL)
+            sender.send(
+                pb_utils.InferenceResponse(error=triton_error(pb_utils, str(exc))), flags=_FINAL
+            )
         except EngineBusy as exc:
-            sender.send(pb_utils.InferenceResponse(error=triton_error(pb_utils, str(exc),
-                                                                      "UNAVAILABLE")),
-                        flags=_FINAL)
+            sender.send(
+                pb_utils.InferenceResponse(error=triton_error(pb_utils, str(exc), "UNAVAILABLE")),
+                flags=_FINAL,
+            )
 
     def finalize(self):
         self.engine.shutdown()
-
-
