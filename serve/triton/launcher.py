@@ -89,7 +89,8 @@ def find_triton() -> TritonInstall:
     if install is None:
         raise TritonLaunchError(
             "no Triton server found: install the CPU server with "
-            "`pip install nvidia-pytriton==0.7.0` (make venv does), run inside the NGC tritonserver image, or set TRITONSERVER_BIN"
+            "`pip install nvidia-pytriton==0.7.0` (make venv does), "
+            "run inside the NGC tritonserver image, or set TRITONSERVER_BIN"
         )
     _check_libpython()
     return install
