@@ -113,6 +113,15 @@ def test_stop_by_request_id(engine, tokenizer):
     assert len(sink.tokens()) < 400
 
 
+def test_cancelling_an_unknown_id_is_ignored(engine, tokenizer):
+    engine.cancel("never-submitted")
+    assert "never-submitted" not in engine._cancelled
+    sink = CollectingSink()
+    engine.submit(request(tokenizer, "The cat", 3, rid="never-submitted"), sink)
+    assert sink.done.wait(30)
+    assert sink.chunks[-1].finish_reason == "length"
+
+
 def test_seeded_sampling_reproduces(engine, tokenizer):
     outs = []
     for _ in range(2):

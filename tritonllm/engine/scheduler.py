@@ -82,6 +82,7 @@ class Engine:
         self._pending: queue.Queue[Sequence] = queue.Queue(maxsize=max_queue_size)
         self._running: list[Sequence] = []
         self._cancelled: set[str] = set()
+        self._active: set[str] = set()  # ids queued or running, so cancel() cannot leak
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -94,14 +95,18 @@ class Engine:
         seq = Sequence(request, sink, sampler, history=list(request.input_ids))
         try:
             self._pending.put_nowait(seq)
+            with self._lock:
+                self._active.add(request.request_id)
         except queue.Full:
             raise EngineBusy(
                 f"engine queue is full ({self._pending.maxsize} requests waiting); retry later"
             ) from None
 
     def cancel(self, request_id: str) -> None:
+        """End a queued or running request within one step; unknown ids are ignored."""
         with self._lock:
-            self._cancelled.add(request_id)
+            if request_id in self._active:
+                self._cancelled.add(request_id)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()
@@ -116,7 +121,14 @@ class Engine:
                 continue
             for seq in list(self._running):
                 self._advance(seq)
-            self._running = [s for s in self._running if s.finish_reason is None]
+            self._retire()
+
+    def _retire(self) -> None:
+        done = [s.request.request_id for s in self._running if s.finish_reason is not None]
+        self._running = [s for s in self._running if s.finish_reason is None]
+        with self._lock:
+            self._active.difference_update(done)
+            self._cancelled.difference_update(done)
 
     def _admit(self) -> None:
         block = not self._running
