@@ -58,6 +58,9 @@ class SamplingParams:
         return unset or self.temperature == 0 or self.top_k == 1
 
 
+_NO_IDS = torch.empty((1, 0), dtype=torch.long)
+
+
 class TokenSampler:
     """Chooses the next token of one sequence from its last logits."""
 
@@ -65,20 +68,37 @@ class TokenSampler:
         self.params = params
         self._end_id = end_id
         self._processors = _build_processors(params)
+        self._reads_history = bool(
+            params.repetition_penalty != 1.0
+            or params.presence_penalty
+            or params.frequency_penalty
+            or params.bad_words
+        )
         self._generator = torch.Generator(device="cpu")
         if params.seed is not None:
             self._generator.manual_seed(params.seed % 2**64)
         else:
             self._generator.seed()
 
-    def __call__(self, logits: torch.Tensor, history: torch.Tensor, num_generated: int):
-        """Return ``(token_id, log_prob)`` for 1-D ``logits`` given the ids so far."""
+    def __call__(self, logits: torch.Tensor, history, num_generated: int):
+        """Return ``(token_id, log_prob)`` for 1-D ``logits`` given the ids so far.
+
+        ``history`` (prompt + generated ids) becomes a tensor only for the
+        penalties that read it, so plain greedy/top-k/top-p decoding does no
+        O(sequence length) work per token.
+        """
         scores = logits.to(torch.float32, copy=True).unsqueeze(0)
-        scores = self._penalize(scores, history, num_generated)
+        if self._reads_history:
+            scores = self._penalize(
+                scores, torch.as_tensor(history, dtype=torch.long), num_generated
+            )
+        elif num_generated < self.params.min_tokens and self._end_id is not None:
+            scores[:, self._end_id] = float("-inf")
         if self.params.greedy:
             token = int(torch.argmax(scores, dim=-1))
         else:
-            scores = self._processors(history.unsqueeze(0), scores)
+            # Temperature, top-k and top-p warpers ignore input_ids.
+            scores = self._processors(_NO_IDS, scores)
             probs = torch.softmax(scores, dim=-1)
             token = int(torch.multinomial(probs.cpu(), 1, generator=self._generator))
         log_prob = float(torch.log_softmax(scores, dim=-1)[0, token])

@@ -166,8 +166,7 @@ class Engine:
         seq.next_logits, seq.past_key_values = logits, past
 
     def _sample(self, seq: Sequence) -> None:
-        history = torch.tensor(seq.history, dtype=torch.long)
-        token, log_prob = seq.sampler(seq.next_logits, history, len(seq.generated))
+        token, log_prob = seq.sampler(seq.next_logits, seq.history, len(seq.generated))
         request = seq.request
         if token == request.end_id:
             self._finish(seq, "stop")
