@@ -98,6 +98,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="queued requests before the engine answers busy",
     )
     p.add_argument(
+        "--max-num-tokens",
+        type=int,
+        default=defaults.max_num_tokens,
+        help="prefill + decode tokens per engine step (longer prompts are rejected)",
+    )
+    p.add_argument(
         "--max-seq-len",
         type=int,
         default=defaults.max_seq_len,
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         options = EngineOptions(
             max_batch_size=args.max_batch_size,
             max_queue_size=args.max_queue_size,
+            max_num_tokens=args.max_num_tokens,
             max_seq_len=args.max_seq_len,
             device=args.device,
             dtype=args.dtype,

@@ -16,6 +16,7 @@ class EngineOptions:
     triton_max_batch_size: int = 64  # the batch dimension Triton accepts per request
     max_batch_size: int = 8  # sequences the engine runs at once
     max_queue_size: int = 256  # requests waiting for a slot before "busy"
+    max_num_tokens: int = 8192  # prefill + decode tokens per engine step
     max_seq_len: int = 0  # prompt + output cap; 0: the model's max_position_embeddings
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
     dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda

@@ -122,6 +122,7 @@ class TorchTarget:
                 "engine_dir": checkpoint_ref,
                 "engine_max_batch_size": o.max_batch_size,
                 "max_queue_size": o.max_queue_size,
+                "max_num_tokens": o.max_num_tokens,
                 "max_seq_len": o.max_seq_len,
                 "device": o.device,
                 "dtype": o.dtype,

@@ -50,7 +50,8 @@ def test_tensorrt_llm_is_decoupled_with_its_parameters(configs):
     config = configs[contract.TENSORRT_LLM]
     assert config.model_transaction_policy.decoupled
     assert config.parameters["engine_dir"].string_value == "tensorrt_llm/1/hf_model"
-    for key in ("max_batch_size", "max_queue_size", "max_seq_len", "device", "dtype"):
+    keys = ("max_batch_size", "max_queue_size", "max_num_tokens", "max_seq_len", "device", "dtype")
+    for key in keys:
         assert not config.parameters[key].string_value.startswith("$")
 
 

@@ -1,12 +1,13 @@
-"""The Hugging Face causal LM behind the engine: load, prefill, decode one step."""
+"""The Hugging Face causal LM behind the engine: load, prefill one sequence, decode a batch."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 from pathlib import Path
 
 import torch
+
+from tritonllm.engine.kv_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
 
@@ -19,8 +20,17 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device(requested)
 
 
+class UnsupportedModel(ValueError):
+    pass
+
+
 class CausalLMRunner:
-    """Runs one sequence's forward passes; the KV cache is transformers' own."""
+    """Forward passes of one model over a :class:`SlotKVCache`.
+
+    Prefill runs one sequence at a time (batch 1, no padding: a prompt's matmuls
+    are already as wide as its length), decode runs every running sequence in
+    one forward with its own position and a mask over its own cache columns.
+    """
 
     def __init__(self, engine_dir: str | Path, device: str = "auto", dtype: str = "auto"):
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -36,32 +46,66 @@ class CausalLMRunner:
             torch.float32 if self.device.type == "cpu" else torch.bfloat16
         )
         self.config = AutoConfig.from_pretrained(engine_dir, local_files_only=True)
+        _check_full_attention(self.config)
         self.model = AutoModelForCausalLM.from_pretrained(
             engine_dir, dtype=torch_dtype, local_files_only=True
         ).to(self.device)
         self.model.eval()
-        # transformers 5.2x renamed past_key_values to cache; the NGC images ship older ones.
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.vocab_size = int(self.config.vocab_size)
         self.max_position_embeddings = int(
             getattr(self.config, "max_position_embeddings", 0) or 2048
         )
         log.info("loaded %s on %s (%s)", engine_dir, self.device, torch_dtype)
 
+    def new_cache(self, num_slots: int, max_len: int) -> SlotKVCache:
+        return SlotKVCache.for_model(self.model, num_slots, max_len)
+
     @torch.inference_mode()
-    def prefill(self, input_ids: list[int]):
-        """Logits after the whole prompt, and the KV cache that holds it."""
+    def prefill(self, cache: SlotKVCache, slot: int, input_ids: list[int]) -> torch.Tensor:
+        """Logits after the whole prompt, whose keys and values fill row ``slot``."""
+        cache.plan_prefill([slot], len(input_ids))
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, use_cache=True)
-        return out.logits[0, -1], self._cache_of(out)
+        out = self.model(input_ids=ids, cache=cache, use_cache=True)
+        return out.logits[0, -1]
 
     @torch.inference_mode()
-    def decode(self, token_id: int, past_key_values):
-        """Logits after one more token, extending ``past_key_values`` in place."""
-        ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: past_key_values})
-        return out.logits[0, -1], self._cache_of(out)
+    def decode(self, cache: SlotKVCache, token_ids: list[int], positions: list[int]):
+        """Logits ``[rows, vocab]`` after one token per row; row ``i`` is slot ``i``.
 
-    def _cache_of(self, out):
-        return getattr(out, self._cache_arg)
+        ``positions[i]`` is the number of tokens already cached for row ``i``: the
+        new token's position and the cache column it is written to.
+        """
+        columns = torch.tensor(positions, dtype=torch.long, device=self.device)
+        cache.plan_decode(columns)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[:, None]
+        out = self.model(
+            input_ids=ids,
+            position_ids=columns[:, None],
+            attention_mask=self._decode_mask(columns, cache.get_seq_length() + 1),
+            cache=cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1]
+
+    def _decode_mask(self, columns: torch.Tensor, width: int) -> torch.Tensor:
+        """Additive 4-D mask: row ``i`` reads its columns ``0..columns[i]`` only.
+
+        transformers passes a 4-D mask to the attention as it is, so no model
+        code second-guesses it; additive (not boolean) works for every attention
+        implementation.
+        """
+        dtype = self.model.dtype
+        hidden = torch.arange(width, device=columns.device)[None, :] > columns[:, None]
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=columns.device)
+        return mask.masked_fill_(hidden, torch.finfo(dtype).min)[:, None, None, :]
+
+
+def _check_full_attention(config) -> None:
+    """Sliding-window and recurrent layers need caches this engine does not have."""
+    text = config.get_text_config(decoder=True)
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"} or getattr(text, "use_sliding_window", False):
+        raise UnsupportedModel(
+            f"model_type {config.model_type!r} has {sorted(kinds)} layers; the torch engine "
+            "serves full-attention decoder models (llama, mistral, qwen2, gpt2, ...)"
+        )

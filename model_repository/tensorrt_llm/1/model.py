@@ -9,6 +9,7 @@ from tritonllm.engine.tensors import chunk_to_tensors, is_stop_request, to_gener
 from tritonllm.model_args import ModelArgs
 from tritonllm.tokenization import InvalidRequest
 from tritonllm.triton_errors import triton_error
+from tritonllm.triton_metrics import EngineMetrics
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -55,6 +56,8 @@ class TritonPythonModel:
             max_batch_size=model_args.int("max_batch_size", 8),
             max_queue_size=model_args.int("max_queue_size", 256),
             max_seq_len=model_args.int("max_seq_len", 0) or None,
+            max_num_tokens=model_args.int("max_num_tokens", 8192),
+            observer=EngineMetrics(pb_utils, args["model_name"]),
         )
 
     def execute(self, requests):

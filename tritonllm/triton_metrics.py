@@ -1,0 +1,62 @@
+"""The engine's own metrics through Triton's custom metrics API (pb_utils passed in).
+
+They appear on Triton's metrics endpoint next to Triton's own ``nv_*`` metrics.
+Each update is a message from the Python stub to the server, so the observer
+aggregates steps and flushes at most every ``flush_interval_s``, keeping that
+traffic out of the decode loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tritonllm.engine.scheduler import StepStats
+
+
+class EngineMetrics:
+    def __init__(self, pb_utils, model: str, flush_interval_s: float = 0.25):
+        family = pb_utils.MetricFamily
+        self._families = []  # a family must outlive its metrics
+
+        def metric(name, description, kind):
+            self._families.append(family(name=name, description=description, kind=kind))
+            return self._families[-1].Metric(labels={"model": model})
+
+        self._running = metric(
+            "tritonllm_engine_running_sequences", "Sequences in the running batch", family.GAUGE
+        )
+        self._queued = metric(
+            "tritonllm_engine_queued_requests", "Requests waiting for a slot", family.GAUGE
+        )
+        self._prompt_tokens = metric(
+            "tritonllm_engine_prompt_tokens_total", "Prompt tokens prefilled", family.COUNTER
+        )
+        self._generated_tokens = metric(
+            "tritonllm_engine_generated_tokens_total",
+            "Tokens decoded (rate() of it is the engine's tokens/s)",
+            family.COUNTER,
+        )
+        self._step_seconds = metric(
+            "tritonllm_engine_step_seconds",
+            "Mean duration of an engine step (prefills plus one batched decode) "
+            "over the last flush interval",
+            family.GAUGE,
+        )
+        self._flush_interval_s = flush_interval_s
+        self._last_flush = 0.0
+        self._pending_steps: list[StepStats] = []
+
+    def on_step(self, stats: StepStats) -> None:
+        self._pending_steps.append(stats)
+        now = time.monotonic()
+        if now - self._last_flush >= self._flush_interval_s or not stats.running:
+            self._flush(stats)
+            self._last_flush = now
+
+    def _flush(self, latest: StepStats) -> None:
+        steps, self._pending_steps = self._pending_steps, []
+        self._running.set(latest.running)
+        self._queued.set(latest.queued)
+        self._prompt_tokens.increment(sum(s.prefill_tokens for s in steps))
+        self._generated_tokens.increment(sum(s.generated_tokens for s in steps))
+        self._step_seconds.set(sum(s.seconds for s in steps) / len(steps))
