@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -17,12 +18,14 @@ from tritonllm.tokenization import InvalidRequest
 class CollectingSink:
     def __init__(self, cancelled: bool = False):
         self.chunks = []
+        self.times = []  # perf_counter() of each chunk
         self.errors = []
         self.done = threading.Event()
         self.cancelled = cancelled
 
     def send(self, chunk):
         self.chunks.append(chunk)
+        self.times.append(time.perf_counter())
         if chunk.finished:
             self.done.set()
 
@@ -158,3 +161,190 @@ def test_full_queue_answers_busy(checkpoint_dir, tokenizer):
         assert sinks[1].done.wait(30)
     finally:
         engine.shutdown()
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+class RecordingObserver:
+    def __init__(self):
+        self.steps = []
+
+    def on_step(self, stats):
+        self.steps.append(stats)
+
+
+@pytest.fixture
+def make_engine(checkpoint_dir):
+    engines = []
+
+    def make(**kwargs):
+        engines.append(Engine(CausalLMRunner(checkpoint_dir), **kwargs))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+SIXTEEN_PROMPTS = [
+    "The cat",
+    "Where is the river? The old man",
+    "A robot builds many requests near the sea and then",
+    "日本語は",
+    "In the morning the teacher",
+    "Hello",
+    "The scheduler sends a long letter to the robot, and the robot",
+    "Crème brûlée",
+    "Why",
+    "The dog and the cat sat near the window while",
+    "Привет",
+    "Once upon a time",
+    "Many towns",
+    "The server answers every request",
+    "A",
+    "Where is the old man? The teacher said that",
+]
+
+
+def test_sixteen_staggered_greedy_requests_each_equal_generate_alone(
+    make_engine, tokenizer, hf_model
+):
+    observer = RecordingObserver()
+    engine = make_engine(max_batch_size=8, max_queue_size=32, observer=observer)
+    sinks = []
+    for i, prompt in enumerate(SIXTEEN_PROMPTS):
+        sink = CollectingSink()
+        max_tokens = 6 + (i * 7) % 29
+        req = request(
+            tokenizer,
+            prompt,
+            max_tokens,
+            rid=str(i),
+            streaming=i % 3 != 0,
+            exclude_input_in_output=True,
+        )
+        engine.submit(req, sink)
+        sinks.append((sink, prompt, max_tokens))
+        time.sleep(0.003 * (i % 4))  # arrivals land between decode steps
+    for sink, prompt, max_tokens in sinks:
+        assert sink.done.wait(60)
+        assert sink.tokens() == hf_greedy(hf_model, tokenizer, prompt, max_tokens, end_id=0)
+    assert 1 < max(s.running for s in observer.steps) <= 8  # batched, never past the cap
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(make_engine, tokenizer):
+    engine = make_engine(max_batch_size=8)
+    params = SamplingParams(temperature=1.3, top_k=40, top_p=0.9, seed=1234)
+
+    def seeded(rid):
+        return request(
+            tokenizer, "The robot", 24, rid=rid, sampling=params, exclude_input_in_output=True
+        )
+
+    alone = CollectingSink()
+    engine.submit(seeded("alone"), alone)
+    assert alone.done.wait(30)
+    neighbours = []
+    for i in range(6):  # greedy and differently seeded neighbours, started first
+        sink = CollectingSink()
+        other = SamplingParams(temperature=0.8, seed=i) if i % 2 else SamplingParams()
+        engine.submit(request(tokenizer, SIXTEEN_PROMPTS[i], 40, rid=f"n{i}", sampling=other), sink)
+        neighbours.append(sink)
+    wait_until(lambda: engine.num_running >= 4)
+    busy = CollectingSink()
+    engine.submit(seeded("busy"), busy)
+    assert busy.done.wait(30)
+    assert busy.tokens() == alone.tokens()
+    assert all(n.done.wait(30) for n in neighbours)
+
+
+def test_a_new_request_streams_before_a_long_one_finishes(make_engine, tokenizer):
+    engine = make_engine(max_batch_size=4)
+    long = CollectingSink()
+    engine.submit(request(tokenizer, "The cat", 300, rid="long", streaming=True, end_id=None), long)
+    wait_until(lambda: len(long.chunks) >= 5)
+    short = CollectingSink()
+    engine.submit(request(tokenizer, "Hello", 3, rid="short", streaming=True), short)
+    assert short.done.wait(30)
+    assert not long.done.is_set()  # in-flight: the short one joined the running batch
+    assert long.done.wait(60)
+    assert short.times[0] < long.times[-1]
+    assert len(long.tokens()) == 300
+
+
+@pytest.mark.parametrize("how", ["stop", "disconnect"])
+def test_cancel_and_disconnect_free_the_slot_within_a_step(make_engine, tokenizer, how):
+    engine = make_engine(max_batch_size=1)
+    long = CollectingSink()
+    engine.submit(request(tokenizer, "The cat", 400, rid="long", streaming=True, end_id=None), long)
+    waiting = CollectingSink()
+    engine.submit(request(tokenizer, "Hello", 4, rid="next", streaming=True), waiting)
+    wait_until(lambda: len(long.chunks) >= 3)
+    assert not waiting.chunks  # one slot: it waits
+    if how == "stop":
+        engine.cancel("long")
+    else:
+        long.cancelled = True  # what Triton's request.is_cancelled() reports
+    assert waiting.done.wait(30)
+    assert long.chunks[-1].finish_reason == "cancelled"
+    # The long request ended within a step or two of the cancel, not after 400 tokens.
+    assert len(long.tokens()) < 20
+    assert long.times[-1] < waiting.times[0]
+
+
+def test_cancelling_a_queued_request_answers_it_without_running_it(make_engine, tokenizer):
+    engine = make_engine(max_batch_size=1)
+    long = CollectingSink()
+    engine.submit(request(tokenizer, "The cat", 400, rid="long", streaming=True, end_id=None), long)
+    queued = CollectingSink()
+    engine.submit(request(tokenizer, "Hello", 4, rid="queued"), queued)
+    wait_until(lambda: len(long.chunks) >= 2)
+    engine.cancel("queued")
+    assert queued.done.wait(5)
+    assert queued.chunks[-1].finish_reason == "cancelled"
+    assert queued.chunks[-1].num_output_tokens == 0
+    assert not long.done.is_set()
+    engine.cancel("long")
+    assert long.done.wait(30)
+
+
+def test_a_prompt_over_the_token_budget_is_rejected_and_the_engine_serves_on(
+    make_engine, tokenizer
+):
+    engine = make_engine(max_batch_size=2, max_num_tokens=8)
+    with pytest.raises(InvalidRequest, match="exceeds the engine's max_num_tokens"):
+        engine.submit(request(tokenizer, "The dog and the cat sat near the window", 4), None)
+    sink = CollectingSink()
+    engine.submit(request(tokenizer, "Hi", 4), sink)
+    assert sink.done.wait(30)
+    assert sink.chunks[-1].finish_reason == "length"
+
+
+def test_the_token_budget_spreads_prefills_over_steps(make_engine, tokenizer):
+    observer = RecordingObserver()
+    engine = make_engine(max_batch_size=8, max_num_tokens=12, observer=observer)
+    sinks = [CollectingSink() for _ in range(4)]
+    for i, sink in enumerate(sinks):
+        engine.submit(request(tokenizer, "The cat sat", 3, rid=str(i)), sink)  # 4 tokens each
+    assert all(s.done.wait(30) for s in sinks)
+    assert max(s.prefill_tokens for s in observer.steps) <= 12
+
+
+class BrokenSink(CollectingSink):
+    def send(self, chunk):
+        raise RuntimeError("the response sender is closed")
+
+
+def test_a_sink_that_fails_ends_only_its_own_request(make_engine, tokenizer, hf_model):
+    engine = make_engine(max_batch_size=4)
+    broken, good = BrokenSink(), CollectingSink()
+    engine.submit(request(tokenizer, "The cat", 30, rid="broken", streaming=True), broken)
+    engine.submit(request(tokenizer, "Hello", 12, rid="good", exclude_input_in_output=True), good)
+    assert good.done.wait(30)
+    assert good.tokens() == hf_greedy(hf_model, tokenizer, "Hello", 12, end_id=0)
+    wait_until(lambda: engine.num_running == 0)

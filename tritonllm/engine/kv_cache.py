@@ -49,7 +49,7 @@ class SlotKVCache(Cache):
         self._plan: _Plan | None = None
 
     @classmethod
-    def for_model(cls, model, num_slots: int, max_len: int) -> SlotKVCache:
+    def for_model(cls, model, num_slots: int, max_len: int, initial_len: int = 256) -> SlotKVCache:
         config = model.config.get_text_config(decoder=True)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -61,6 +61,7 @@ class SlotKVCache(Cache):
             max_len=max_len,
             dtype=model.dtype,
             device=model.device,
+            initial_len=initial_len,
         )
 
     @property
@@ -79,6 +80,7 @@ class SlotKVCache(Cache):
         rows = torch.arange(len(columns), device=columns.device)
         self._plan = _Plan(rows, columns, width)
 
+    @torch.inference_mode()
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` columns of row ``src`` into row ``dst``."""
         for k, v in zip(self._keys, self._values, strict=True):
