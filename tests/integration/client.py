@@ -1,9 +1,10 @@
-"""A small gRPC-streaming ensemble client for the tests (tritonclient)."""
+"""A small gRPC-streaming Triton client for the tests (tritonclient)."""
 
 from __future__ import annotations
 
 import queue
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,7 @@ class Result:
         return "".join(self.chunks)
 
 
-def make_inputs(prompt: str, max_tokens: int | None, **optional) -> list:
+def ensemble_values(prompt: str, max_tokens: int | None, **optional) -> dict[str, np.ndarray]:
     values = {"text_input": np.array([[prompt.encode()]], dtype=object)}
     if max_tokens is not None:
         values["max_tokens"] = np.array([[max_tokens]], dtype=np.int32)
@@ -35,6 +36,10 @@ def make_inputs(prompt: str, max_tokens: int | None, **optional) -> list:
         else:
             array = np.array([[value]], dtype=spec.numpy_dtype)
         values[name] = array
+    return values
+
+
+def infer_inputs(values: dict[str, np.ndarray]) -> list:
     inputs = []
     for name, array in values.items():
         wire = "BYTES" if array.dtype == object else grpcclient.np_to_triton_dtype(array.dtype)
@@ -42,6 +47,42 @@ def make_inputs(prompt: str, max_tokens: int | None, **optional) -> list:
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
+
+
+class Stream:
+    """One gRPC bidirectional stream: send requests, read their responses."""
+
+    def __init__(self, url: str):
+        self._responses: queue.Queue = queue.Queue()
+        self._client = grpcclient.InferenceServerClient(url)
+        self._client.start_stream(
+            callback=lambda result, error: self._responses.put((result, error))
+        )
+
+    def send(self, model: str, values: dict[str, np.ndarray], request_id: str) -> None:
+        self._client.async_stream_infer(
+            model, infer_inputs(values), request_id=request_id, enable_empty_final_response=True
+        )
+
+    def responses(self, timeout_s: float = 60) -> Iterator:
+        """Results up to and including the final one; a Triton error is raised."""
+        while True:
+            result, error = self._responses.get(timeout=timeout_s)
+            if error is not None:
+                raise error
+            yield result
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return
+
+    def close(self, cancel_requests: bool = False) -> None:
+        self._client.stop_stream(cancel_requests=cancel_requests)
+        self._client.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def generate(
@@ -53,27 +94,13 @@ def generate(
     **optional,
 ) -> Result:
     """Run one ensemble request over a gRPC stream; raise on a Triton error."""
-    responses: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    try:
-        client.async_stream_infer(
-            "ensemble",
-            make_inputs(prompt, max_tokens, **optional),
-            request_id=request_id or uuid.uuid4().hex,
-            enable_empty_final_response=True,
-        )
+    with Stream(url) as stream:
+        values = ensemble_values(prompt, max_tokens, **optional)
+        stream.send("ensemble", values, request_id or uuid.uuid4().hex)
         chunks, outputs = [], []
-        while True:
-            result, error = responses.get(timeout=timeout_s)
-            if error is not None:
-                raise error
+        for result in stream.responses(timeout_s):
             response = result.get_response()
             if response.outputs:
                 chunks.append(result.as_numpy("text_output").reshape(-1)[0].decode())
                 outputs.append({o.name: result.as_numpy(o.name) for o in response.outputs})
-            if response.parameters["triton_final_response"].bool_param:
-                return Result(chunks, outputs)
-    finally:
-        client.stop_stream()
-        client.close()
+        return Result(chunks, outputs)
