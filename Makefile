@@ -17,8 +17,9 @@ TRITON_HTTP_PORT    ?= 8010
 TRITON_GRPC_PORT    ?= 8011
 TRITON_METRICS_PORT ?= 8012
 PYTEST_ARGS ?=
+BENCH_ARGS  ?=
 
-.PHONY: venv engines triton test test-unit lint clean-engines clean
+.PHONY: venv engines triton test test-unit lint bench-engine clean-engines clean
 
 venv: $(VENV)/.installed
 
@@ -43,6 +44,11 @@ test: venv
 
 test-unit: venv
 	$(PY) -m pytest -m 'not integration' $(PYTEST_ARGS)
+
+# The torch engine through Triton vs one-at-a-time generate() on the ~30M bench
+# model (built into build/bench-engine, not model_repository). Figures, not a test.
+bench-engine: venv
+	$(PY) -m bench.engine $(BENCH_ARGS)
 
 lint: venv
 	$(PY) -m ruff check .

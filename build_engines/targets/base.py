@@ -20,7 +20,7 @@ class EngineOptions:
     max_seq_len: int = 0  # prompt + output cap; 0: the model's max_position_embeddings
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
     dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
-    num_threads: int = 0  # torch intra-op threads; 0: torch's default
+    num_threads: int = 0  # engine torch threads; 0: all cores for prefill, all but one for decode
     preprocessing_instance_count: int = 1
 
 

@@ -16,8 +16,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
+from serve.triton.client import Stream, ensemble_values, generate
 from tests.conftest import ROOT
-from tests.integration.client import Stream, ensemble_values, generate
 from tests.reference import hf_greedy
 from tests.unit.test_engine import SIXTEEN_PROMPTS
 

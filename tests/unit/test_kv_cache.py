@@ -23,11 +23,13 @@ def alone(runner, ids: list[int]) -> torch.Tensor:
     return out.logits[0, -1]
 
 
-def test_batched_decode_of_ragged_rows_equals_each_sequence_alone(runner):
+def test_batched_prefill_and_decode_of_ragged_rows_equal_each_sequence_alone(runner):
     prompts = [[1, 5, 9, 14], [1, 7], [1, 3, 3, 8, 20, 11, 6], [1]]
     cache = runner.new_cache(num_slots=4, max_len=64)
-    for slot, ids in enumerate(prompts):
-        runner.prefill(cache, slot, ids)
+    first = runner.prefill(cache, [2, 0, 3, 1], prompts)  # one right-padded forward
+    for ids, logits in zip(prompts, first, strict=True):
+        torch.testing.assert_close(logits, alone(runner, ids))
+    prompts = [prompts[1], prompts[3], prompts[0], prompts[2]]  # in slot order
     histories = [list(p) for p in prompts]
     for step in range(5):  # rows stay ragged: each appends one token per step
         new = [10 + step + row for row in range(4)]
@@ -40,7 +42,7 @@ def test_batched_decode_of_ragged_rows_equals_each_sequence_alone(runner):
 def test_growing_and_moving_rows_keep_their_contents(runner):
     cache = SlotKVCache.for_model(runner.model, num_slots=2, max_len=64, initial_len=4)
     ids = list(range(1, 12))
-    runner.prefill(cache, 1, ids)  # 11 columns into a 4-column cache
+    runner.prefill(cache, [1], [ids])  # 11 columns into a 4-column cache
     assert cache.capacity == 11
     cache.move(1, 0, len(ids))
     logits = runner.decode(cache, [30], [len(ids)])  # column 12: the cache doubles

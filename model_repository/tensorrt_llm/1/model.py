@@ -1,12 +1,12 @@
 """The torch engine in TensorRT-LLM's slot: pb_utils <-> tritonllm.engine (decoupled)."""
 
-import torch
 import triton_python_backend_utils as pb_utils
 
 from tritonllm.engine.runner import CausalLMRunner
 from tritonllm.engine.scheduler import Engine, EngineBusy
 from tritonllm.engine.tensors import chunk_to_tensors, is_stop_request, to_generation_request
 from tritonllm.model_args import ModelArgs
+from tritonllm.response_thread import ResponseThread
 from tritonllm.tokenization import InvalidRequest
 from tritonllm.triton_errors import triton_error
 from tritonllm.triton_metrics import EngineMetrics
@@ -15,37 +15,51 @@ _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonSink:
-    """Sends a request's chunks through its decoupled response sender."""
+    """A request's response sender, written to by the engine through the response thread."""
 
-    def __init__(self, request, sender, generation_request):
+    def __init__(self, request, sender, generation_request, responses: ResponseThread):
+        self.cancelled = False  # set by the response thread's polling
         self._request = request
         self._sender = sender
         self._generation_request = generation_request
+        self._responses = responses
+
+    # The engine's side (tritonllm.engine.scheduler.ResponseSink): never blocks.
 
     def send(self, chunk):
+        self._responses.send(self, chunk)
+
+    def fail(self, message):
+        self._responses.send(self, triton_error(pb_utils, message, "INTERNAL"))
+
+    def is_cancelled(self):
+        return self.cancelled
+
+    # The response thread's side: the round trips to the server.
+
+    def deliver(self, item):
+        if isinstance(item, pb_utils.TritonError):
+            self._sender.send(pb_utils.InferenceResponse(error=item), flags=_FINAL)
+            return True
+        chunk = item
         if chunk.finished and not chunk.token_ids and self._generation_request.streaming:
             self._sender.send(flags=_FINAL)
-            return
+            return True
         tensors = chunk_to_tensors(chunk, self._generation_request)
         response = pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(name, value) for name, value in tensors.items()]
         )
         self._sender.send(response, flags=_FINAL if chunk.finished else 0)
+        return chunk.finished
 
-    def fail(self, message):
-        error = triton_error(pb_utils, message, "INTERNAL")
-        self._sender.send(pb_utils.InferenceResponse(error=error), flags=_FINAL)
-
-    def is_cancelled(self):
+    def poll_cancelled(self):
         return self._request.is_cancelled()
 
 
 class TritonPythonModel:
     def initialize(self, args):
         model_args = ModelArgs(args)
-        threads = model_args.int("num_threads", 0)
-        if threads > 0:
-            torch.set_num_threads(threads)
+        self.responses = ResponseThread(poll_interval_s=0.02)
         runner = CausalLMRunner(
             model_args.path("engine_dir"),
             device=model_args.str("device", "auto"),
@@ -58,6 +72,7 @@ class TritonPythonModel:
             max_seq_len=model_args.int("max_seq_len", 0) or None,
             max_num_tokens=model_args.int("max_num_tokens", 8192),
             observer=EngineMetrics(pb_utils, args["model_name"]),
+            num_threads=model_args.int("num_threads", 0),
         )
 
     def execute(self, requests):
@@ -71,22 +86,23 @@ class TritonPythonModel:
             return None if tensor is None else tensor.as_numpy()
 
         sender = request.get_response_sender()
+        sink = None
         try:
             if is_stop_request(get):
                 self.engine.cancel(request.request_id())
                 sender.send(flags=_FINAL)
                 return
             generation_request = to_generation_request(request.request_id(), get)
-            self.engine.submit(generation_request, TritonSink(request, sender, generation_request))
-        except InvalidRequest as exc:
-            sender.send(
-                pb_utils.InferenceResponse(error=triton_error(pb_utils, str(exc))), flags=_FINAL
-            )
-        except EngineBusy as exc:
-            sender.send(
-                pb_utils.InferenceResponse(error=triton_error(pb_utils, str(exc), "UNAVAILABLE")),
-                flags=_FINAL,
-            )
+            sink = TritonSink(request, sender, generation_request, self.responses)
+            self.responses.watch(sink)
+            self.engine.submit(generation_request, sink)
+        except (InvalidRequest, EngineBusy) as exc:
+            if sink is not None:
+                self.responses.unwatch(sink)
+            code = "UNAVAILABLE" if isinstance(exc, EngineBusy) else "INVALID_ARG"
+            error = triton_error(pb_utils, str(exc), code)
+            sender.send(pb_utils.InferenceResponse(error=error), flags=_FINAL)
 
     def finalize(self):
         self.engine.shutdown()
+        self.responses.close()

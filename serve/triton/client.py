@@ -1,8 +1,13 @@
-"""A small gRPC-streaming Triton client for the tests (tritonclient)."""
+"""A small gRPC-streaming Triton client (tritonclient): the tests' and benchmarks' client.
+
+Responses carry the ``time.perf_counter()`` of their arrival, taken in
+tritonclient's callback, so latency figures do not include queueing in here.
+"""
 
 from __future__ import annotations
 
 import queue
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -55,9 +60,10 @@ class Stream:
     def __init__(self, url: str):
         self._responses: queue.Queue = queue.Queue()
         self._client = grpcclient.InferenceServerClient(url)
-        self._client.start_stream(
-            callback=lambda result, error: self._responses.put((result, error))
-        )
+        self._client.start_stream(callback=self._on_response)
+
+    def _on_response(self, result, error) -> None:
+        self._responses.put((time.perf_counter(), result, error))
 
     def send(self, model: str, values: dict[str, np.ndarray], request_id: str) -> None:
         self._client.async_stream_infer(
@@ -66,11 +72,16 @@ class Stream:
 
     def responses(self, timeout_s: float = 60) -> Iterator:
         """Results up to and including the final one; a Triton error is raised."""
+        for _, result in self.timed_responses(timeout_s):
+            yield result
+
+    def timed_responses(self, timeout_s: float = 60) -> Iterator[tuple[float, object]]:
+        """``(arrival time, result)`` pairs, as :meth:`responses`."""
         while True:
-            result, error = self._responses.get(timeout=timeout_s)
+            arrived, result, error = self._responses.get(timeout=timeout_s)
             if error is not None:
                 raise error
-            yield result
+            yield arrived, result
             if result.get_response().parameters["triton_final_response"].bool_param:
                 return
 
