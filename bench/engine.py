@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
-console = Console(soft_wrap=True, width=120)
+console = Console(soft_wrap=True, width=132)
 
 WORDS = (
     "the a robot cat river town teacher letter server request builds sends answers near "
@@ -150,7 +150,7 @@ def run_level(url: str, prompts: list[str], concurrency: int, output_len: int) -
         thread.join()
     ttfts = [first - sent for sent, first in spans]
     return Level(
-        name="engine via Triton",
+        name="engine, Triton",
         concurrency=concurrency,
         requests=len(prompts),
         output_tokens=tokens[0],
@@ -166,11 +166,10 @@ def run_level(url: str, prompts: list[str], concurrency: int, output_len: int) -
 # -- the baselines in this process --------------------------------------------------
 
 
-def load_model(checkpoint: Path, attn_implementation: str | None = None):
+def load_model(checkpoint: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True)
     return model.eval(), AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
 
 
@@ -198,7 +197,7 @@ def one_at_a_time_generate(checkpoint: Path, prompts: list[str], output_len: int
     # The TTFT probes ran too; count only the full generations' time.
     seconds = time.perf_counter() - start - sum(ttfts)
     return Level(
-        name="generate(), one at a time",
+        name="generate() 1 by 1",
         concurrency=1,
         requests=len(prompts),
         output_tokens=tokens,
@@ -215,7 +214,7 @@ def hf_continuous_batching(checkpoint: Path, prompts: list[str], output_len: int
     """transformers' generate_batch (paged attention, continuous batching), all at once."""
     from transformers import GenerationConfig
 
-    model, tokenizer = load_model(checkpoint, attn_implementation="paged|sdpa")
+    model, tokenizer = load_model(checkpoint)
     config = GenerationConfig(
         max_new_tokens=output_len,
         min_new_tokens=output_len,
@@ -232,7 +231,7 @@ def hf_continuous_batching(checkpoint: Path, prompts: list[str], output_len: int
     seconds = time.perf_counter() - start
     nan = float("nan")
     return Level(
-        name="transformers generate_batch",
+        name="generate_batch",
         concurrency=len(prompts),
         requests=len(prompts),
         output_tokens=sum(len(o.generated_tokens) for o in outputs.values()),

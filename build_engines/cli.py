@@ -109,6 +109,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=defaults.max_seq_len,
         help="cap on prompt + output tokens (0: the model's context)",
     )
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=defaults.num_threads,
+        help="torch threads of the engine (0: all cores for prefill, all but one for decode)",
+    )
     p.add_argument("--device", default=defaults.device, help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", default=defaults.dtype, help="auto | float32 | float16 | bfloat16")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -133,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             max_batch_size=args.max_batch_size,
             max_queue_size=args.max_queue_size,
             max_num_tokens=args.max_num_tokens,
+            num_threads=args.num_threads,
             max_seq_len=args.max_seq_len,
             device=args.device,
             dtype=args.dtype,

@@ -348,3 +348,17 @@ def test_a_sink_that_fails_ends_only_its_own_request(make_engine, tokenizer, hf_
     assert good.done.wait(30)
     assert good.tokens() == hf_greedy(hf_model, tokenizer, "Hello", 12, end_id=0)
     wait_until(lambda: engine.num_running == 0)
+
+
+def test_prefill_groups_batch_similar_lengths_and_keep_padding_under_half():
+    from tritonllm.engine.scheduler import Sequence, _prefill_groups
+
+    def seq(n):
+        return Sequence(GenerationRequest(str(n), (1,) * n, 4), None, None, history=[1] * n)
+
+    groups = _prefill_groups([seq(n) for n in (30, 4, 32, 5, 31, 300)])
+    lengths = [[len(s.history) for s in g] for g in groups]
+    assert sorted(n for g in lengths for n in g) == [4, 5, 30, 31, 32, 300]
+    for group in lengths:
+        assert len(group) * max(group) <= 2 * sum(group)
+    assert [300] in lengths and [30, 31, 32] in lengths

@@ -7,10 +7,11 @@ between two decode steps, and a finished, stopped or cancelled one leaves at
 once and frees its slot: TensorRT-LLM's in-flight batching, on PyTorch.
 
 Why not transformers' own continuous batching (``generate_batch`` /
-``init_continuous_batching``): on the 30M bench model with 16 prompts it
-reached about 2x one-at-a-time ``generate()`` on 2 CPU cores, this loop about
-7x (``make bench-engine --with-hf-cb`` reproduces it), and its sampling settings
-are per manager, not per request with a seeded generator each.
+``init_continuous_batching``): on the 30M bench model with 16 prompts on 2 CPU
+cores it reached 1.5x the tokens/s of one-at-a-time ``generate()``, this engine
+5.4x through Triton (``make bench-engine BENCH_ARGS=--with-hf-cb``), and its
+sampling settings belong to the manager, not to each request with its own
+seeded generator.
 """
 
 from __future__ import annotations
