@@ -73,7 +73,7 @@ def make_prompts(count: int, words: int, seed: int = 0) -> list[str]:
 # -- the engine through Triton ------------------------------------------------------
 
 
-def build_bench_repository(scratch: Path, max_batch_size: int) -> Path:
+def build_bench_repository(scratch: Path, max_batch_size: int, num_threads: int) -> Path:
     """The tracked repository layout plus the bench model, outside the working tree's own."""
     repository = scratch / "model_repository"
     # Refreshed every run, so the scratch copy serves this checkout's model code.
@@ -85,6 +85,7 @@ def build_bench_repository(scratch: Path, max_batch_size: int) -> Path:
     )
     command = [sys.executable, "-m", "build_engines", "--size", "bench"]
     command += ["--repository", str(repository), "--max-batch-size", str(max_batch_size)]
+    command += ["--num-threads", str(num_threads)]
     subprocess.run(command, check=True, cwd=ROOT)
     return repository
 
@@ -309,6 +310,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument(
+        "--num-threads", type=int, default=0, help="engine torch threads (0: the engine's split)"
+    )
+    p.add_argument(
         "--with-hf-cb",
         action="store_true",
         help="also time transformers' generate_batch on 16 prompts",
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     levels_c = [int(c) for c in args.concurrency.split(",")]
-    repository = build_bench_repository(args.scratch, args.max_batch_size)
+    repository = build_bench_repository(args.scratch, args.max_batch_size, args.num_threads)
     checkpoint = repository / "tensorrt_llm" / "1" / "hf_model"
     prompts = make_prompts(max(levels_c) * args.requests_per_client + 8, args.prompt_words)
     console.log(f"torch {torch.__version__}, {torch.get_num_threads()} threads; baseline")

@@ -362,3 +362,23 @@ def test_prefill_groups_batch_similar_lengths_and_keep_padding_under_half():
     for group in lengths:
         assert len(group) * max(group) <= 2 * sum(group)
     assert [300] in lengths and [30, 31, 32] in lengths
+
+
+def test_a_reused_request_id_is_cancellable_while_any_holder_runs(make_engine, tokenizer):
+    engine = make_engine(max_batch_size=2)
+    first, second = CollectingSink(), CollectingSink()
+    engine.submit(request(tokenizer, "Hi", 2, rid="same"), first)
+    engine.submit(request(tokenizer, "The cat", 400, rid="same", end_id=None), second)
+    assert first.done.wait(30)
+    engine.cancel("same")  # the first holder finished; the second still runs
+    assert second.done.wait(30)
+    assert second.chunks[-1].finish_reason == "cancelled"
+
+
+def test_an_empty_request_id_cancels_nothing(make_engine, tokenizer):
+    engine = make_engine(max_batch_size=2)
+    sink = CollectingSink()
+    engine.submit(request(tokenizer, "Hi", 20, rid=""), sink)
+    engine.cancel("")
+    assert sink.done.wait(30)
+    assert sink.chunks[-1].finish_reason == "length"

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -114,7 +114,7 @@ class Engine:
         # the pre/postprocessing models and gRPC; prefill is compute-bound and short
         # and gets every core. On 2 cores that split gave ~6x one-at-a-time
         # generate() at 16 streams, against ~4x with 2 threads for both and ~5x
-        # with 1 for both (make bench-engine).
+        # with 1 for both (make bench-engine BENCH_ARGS='--num-threads 2').
         cores = len(os.sched_getaffinity(0))
         self.decode_threads = num_threads or max(1, cores - 1)
         self.prefill_threads = num_threads or cores
@@ -128,7 +128,8 @@ class Engine:
         self._cache = runner.new_cache(max_batch_size, self.max_seq_len)
         self._pending: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # _running[i].slot == i between steps
-        self._active: set[str] = set()  # ids queued or running, so cancel() cannot leak
+        # Ids queued or running (counted: clients may reuse one), so cancel() cannot leak.
+        self._active: Counter[str] = Counter()
         self._cancelled: set[str] = set()
         self._lock = threading.Condition()
         self._stopping = False
@@ -153,13 +154,14 @@ class Engine:
                     f"engine queue is full ({self.max_queue_size} requests waiting); retry later"
                 )
             self._pending.append(seq)
-            self._active.add(request.request_id)
+            self._active[request.request_id] += 1
             self._lock.notify()
 
     def cancel(self, request_id: str) -> None:
-        """End a queued or running request within one step; unknown ids are ignored."""
+        """End a queued or running request within one step; unknown and empty ids
+        (a client that sent none) are ignored."""
         with self._lock:
-            if request_id in self._active:
+            if request_id and request_id in self._active:
                 self._cancelled.add(request_id)
                 self._lock.notify()
 
@@ -318,8 +320,10 @@ class Engine:
 
     def _forget(self, seq: Sequence) -> None:
         with self._lock:
-            self._active.discard(seq.request_id)
-            self._cancelled.discard(seq.request_id)
+            self._active[seq.request_id] -= 1
+            if self._active[seq.request_id] <= 0:
+                del self._active[seq.request_id]
+                self._cancelled.discard(seq.request_id)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
