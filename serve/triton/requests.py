@@ -1,0 +1,113 @@
+"""What crosses the replica's DeploymentHandle: GenerateParams out, GenerationChunk back.
+
+Plain dataclasses (Ray pickles them); the mapping to and from the ensemble's
+tensors (``tritonllm.contract``) lives here and nowhere above the replica.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tritonllm import contract
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    """One generation request, already validated by the API layer."""
+
+    prompt: str
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    return_log_probs: bool = False
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """New text of one streamed response; the last one carries ``finish_reason``."""
+
+    text: str
+    num_input_tokens: int
+    num_output_tokens: int
+    cum_log_prob: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" on the last chunk
+
+
+_OPTIONAL_SCALARS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+)
+
+
+def ensemble_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
+    """The ensemble's input tensors (batch 1, streamed, prompt excluded from the output)."""
+    values = {
+        "text_input": np.array([[params.prompt.encode()]], dtype=object),
+        "max_tokens": np.array([[params.max_tokens]], dtype=np.int32),
+        "stream": np.array([[True]]),
+        "exclude_input_in_output": np.array([[True]]),
+        "return_num_input_tokens": np.array([[True]]),
+        "return_num_output_tokens": np.array([[True]]),
+        "return_log_probs": np.array([[params.return_log_probs]]),
+    }
+    for name in _OPTIONAL_SCALARS:
+        value = getattr(params, name)
+        if value is not None:
+            spec = contract.tensor(contract.ENSEMBLE, name)
+            values[name] = np.array([[value]], dtype=spec.numpy_dtype)
+    if params.stop:
+        values["stop_words"] = np.array([[w.encode() for w in params.stop]], dtype=object)
+    return values
+
+
+def stop_inputs() -> dict[str, np.ndarray]:
+    """A ``tensorrt_llm`` request that stops the request with the same id."""
+    return {
+        "input_ids": np.zeros((1, 1), dtype=np.int32),
+        "input_lengths": np.ones((1, 1), dtype=np.int32),
+        "request_output_len": np.ones((1, 1), dtype=np.int32),
+        "stop": np.array([[True]]),
+    }
+
+
+def chunk_from_outputs(outputs: dict[str, np.ndarray], params: GenerateParams) -> GenerationChunk:
+    """One streamed ensemble response as a chunk (not yet knowing if it is the last)."""
+
+    def scalar(name: str):
+        return outputs[name].reshape(-1)[0] if name in outputs else None
+
+    text = scalar("text_output")
+    cum = scalar("cum_log_probs")
+    return GenerationChunk(
+        text=text.decode() if isinstance(text, bytes) else str(text or ""),
+        num_input_tokens=int(scalar("num_input_tokens") or 0),
+        num_output_tokens=int(scalar("num_output_tokens") or 0),
+        cum_log_prob=float(cum) if params.return_log_probs and cum is not None else None,
+    )
+
+
+def finish_reason(last: GenerationChunk | None, params: GenerateParams) -> str:
+    """``length`` when max_tokens ended the answer, else ``stop`` (EOS or a stop word).
+
+    The ensemble reports no reason, so a stop word that lands exactly on the
+    max_tokens-th token reads as ``length``.
+    """
+    produced = last.num_output_tokens if last else 0
+    return "length" if produced >= params.max_tokens else "stop"
