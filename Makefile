@@ -19,7 +19,7 @@ TRITON_METRICS_PORT ?= 8012
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
 
-.PHONY: venv engines triton test test-unit lint bench-engine clean-engines clean
+.PHONY: venv engines run triton test test-unit lint bench-engine clean-engines clean
 
 venv: $(VENV)/.installed
 
@@ -33,6 +33,15 @@ $(VENV)/.installed: pyproject.toml
 engines: venv
 	$(PY) -m build_engines --target $(TARGET) --repository $(REPO) \
 		$(if $(MODEL),--model '$(MODEL)') $(if $(BENCH),--size bench) $(if $(FORCE),--force)
+
+# The whole stack on 127.0.0.1:8000: Ray Serve, one Triton per replica, the OpenAI API.
+# Ctrl-C stops Serve, Ray and the Triton children.
+run: engines
+	@echo 'Serving on http://127.0.0.1:8000 once "Deployed app" shows. Try:'
+	@echo '  curl "127.0.0.1:8000/generate?query=The%20cat"'
+	@echo '  curl 127.0.0.1:8000/v1/chat/completions -H "content-type: application/json" \'
+	@echo '    -d '"'"'{"model": "tritonllm-default", "messages": [{"role": "user", "content": "Where is the cat?"}]}'"'"
+	$(VENV)/bin/serve run serve/config.yaml
 
 triton: venv
 	$(PY) -m serve.triton.launcher --model-repository $(REPO) \

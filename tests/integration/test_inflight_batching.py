@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -17,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from serve.triton.client import Stream, ensemble_values, generate
-from tests.conftest import ROOT
+from tests.integration.repositories import repository_with_limits
 from tests.reference import hf_greedy
 from tests.unit.test_engine import SIXTEEN_PROMPTS
 
@@ -196,30 +193,10 @@ def tight_triton(checkpoint_dir, tmp_path_factory):
     """The same checkpoint under tight limits: one slot, one queued request, 16-token steps."""
     from serve.triton.launcher import TritonProcess
 
-    repository = tmp_path_factory.mktemp("tight") / "model_repository"
-    shutil.copytree(
-        ROOT / "model_repository",
-        repository,
-        ignore=shutil.ignore_patterns("config.pbtxt", "hf_model", ".build.json"),
-    )
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "build_engines",
-            "--repository",
-            str(repository),
-            "--model",
-            str(checkpoint_dir),
-            "--max-batch-size",
-            "1",
-            "--max-queue-size",
-            "1",
-            "--max-num-tokens",
-            "16",
-        ],
-        check=True,
-        cwd=ROOT,
+    repository = repository_with_limits(
+        checkpoint_dir,
+        tmp_path_factory.mktemp("tight") / "model_repository",
+        *("--max-batch-size", "1", "--max-queue-size", "1", "--max-num-tokens", "16"),
     )
     with TritonProcess(repository).start(timeout_s=180) as server:
         yield server

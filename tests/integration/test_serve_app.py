@@ -1,0 +1,174 @@
+"""The whole stack: `serve run` of the Serve config, real Triton, real HTTP, the openai SDK."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from serve.triton.launcher import free_port
+from tests.conftest import ROOT
+from tests.integration.repositories import repository_with_limits
+
+pytestmark = pytest.mark.integration
+MODEL = "tritonllm-default"
+
+
+@pytest.fixture(scope="module")
+def app_url(checkpoint_dir, tmp_path_factory):
+    """`serve run` on the project's config, over a one-slot repository of the default model
+    (one slot makes "the abandoned request was freed" observable)."""
+    scratch = tmp_path_factory.mktemp("serve")
+    repository = repository_with_limits(
+        checkpoint_dir, scratch / "model_repository", "--max-batch-size", "1"
+    )
+    config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
+    port = free_port()
+    config["http_options"]["port"] = port
+    app = config["applications"][0]
+    app["args"]["triton"]["model_repository"] = str(repository)
+    (scratch / "config.yaml").write_text(yaml.safe_dump(config))
+    log = (scratch / "serve.log").open("w")
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "serve"), "run", str(scratch / "config.yaml")],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, process, scratch / "serve.log")
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGINT)  # serve run's Ctrl-C: Serve, Ray, Triton
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+        subprocess.run(
+            [str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True
+        )
+
+
+def wait_ready(url: str, process, log_path: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log_path.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"serve run not ready: {log_path.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def client(app_url):
+    return openai.OpenAI(base_url=f"{app_url}/v1", api_key="unused", max_retries=0)
+
+
+MESSAGES = [{"role": "user", "content": "Where is the cat?"}]
+
+
+def test_models_are_listed_in_openai_format(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_streamed_chat_concatenates_to_the_non_streamed_answer(client):
+    whole = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.content and streamed == whole.choices[0].message.content
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_finish_reason_is_length_when_max_tokens_ends_the_answer(client):
+    short = client.completions.create(model=MODEL, prompt="The cat", max_tokens=2)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 2
+    long = client.completions.create(model=MODEL, prompt="The cat", max_tokens=200)
+    assert long.choices[0].finish_reason == "stop" and long.usage.completion_tokens < 200
+
+
+def test_generate_get_and_post_match_completions(app_url, client):
+    text = client.completions.create(model=MODEL, prompt="The cat", max_tokens=12).choices[0].text
+    got = httpx.get(f"{app_url}/generate", params={"query": "The cat", "max_new_tokens": 12})
+    posted = httpx.post(f"{app_url}/generate", json={"prompt": "The cat", "max_new_tokens": 12})
+    assert got.json() == posted.json() == {"text": text}
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": "nope", "prompt": "x"}, 404, "model"),
+        ({"model": MODEL, "prompt": "x", "tools": []}, 400, "tools"),
+        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "temperature": 5}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_error_objects_and_the_app_serves_on(
+    app_url, client, body, status, param
+):
+    response = httpx.post(f"{app_url}/v1/completions", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"]
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
+
+
+def test_an_over_long_prompt_is_a_400(app_url):
+    body = {"model": MODEL, "prompt": "The cat sat. " * 200, "max_tokens": 8}
+    response = httpx.post(f"{app_url}/v1/completions", json=body)
+    assert response.status_code == 400
+    assert "maximum sequence length" in response.json()["error"]["message"]
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_engine(app_url, client):
+    body = {"model": MODEL, "prompt": "The cat", "max_tokens": 480, "min_tokens": 480}
+    start = time.monotonic()
+    client.completions.create(  # the whole thing, for scale
+        model=MODEL, prompt="The cat", max_tokens=480, extra_body={"min_tokens": 480}
+    )
+    full_s = time.monotonic() - start
+    events = []
+    with httpx.stream("POST", f"{app_url}/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+            if len(events) >= 3:
+                break  # leaving the block closes the connection mid-stream
+    assert all(e["choices"][0]["finish_reason"] is None for e in events)
+    # One engine slot: this waits for the abandoned request unless it was stopped.
+    start = time.monotonic()
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
+    assert time.monotonic() - start < full_s / 2, (time.monotonic() - start, full_s)

@@ -1,0 +1,89 @@
+"""The API layer without Ray: config validation, request schemas, tensors, chat prompts."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from serve.api.chat_template import render_chat_prompt
+from serve.api.errors import APIError
+from serve.api.schemas import ChatCompletionRequest, CompletionRequest
+from serve.config import AppConfig
+from serve.triton.requests import GenerateParams, GenerationChunk, ensemble_inputs, finish_reason
+from tritonllm import contract
+
+
+def test_config_errors_name_the_bad_field():
+    with pytest.raises(ValidationError, match="max_tokens_cap"):
+        AppConfig.model_validate({"max_tokens_cap": 0})
+    with pytest.raises(ValidationError, match="triton.mode"):
+        AppConfig.model_validate({"triton": {"mode": "gpu-magic"}})
+    with pytest.raises(ValidationError, match="model_id"):
+        AppConfig.model_validate({"model_id": "../etc/passwd"})
+    with pytest.raises(ValidationError, match="unknown_key"):
+        AppConfig.model_validate({"unknown_key": 1})
+
+
+def test_the_tokenizer_comes_from_the_preprocessing_config(built_repository, checkpoint_dir):
+    config = AppConfig.model_validate({"triton": {"model_repository": str(built_repository)}})
+    assert config.tokenizer_dir().resolve() == checkpoint_dir.resolve()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"n": 2},
+        {"tools": []},
+        {"response_format": {"type": "json_object"}},
+        {"logprobs": 2},
+        {"stop": ["a", "b", "c", "d", "e"]},
+        {"stop": [""]},
+        {"temperature": -1},
+        {"top_p": 0},
+    ],
+)
+def test_unsupported_or_invalid_parameters_are_rejected(extra):
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", **extra})
+
+
+def test_parameters_map_onto_generate_params_with_the_cap():
+    request = CompletionRequest.model_validate(
+        {"model": "m", "prompt": ["x"], "stop": "\n", "top_k": 5, "seed": 3, "max_tokens": 7}
+    )
+    params = request.params(request.prompt, request.max_tokens, cap=10, default=4)
+    assert (params.prompt, params.max_tokens, params.stop, params.top_k) == ("x", 7, ("\n",), 5)
+    with pytest.raises(APIError, match="cap of 5") as info:
+        request.params(request.prompt, request.max_tokens, cap=5, default=4)
+    assert info.value.param == "max_tokens"
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    request = ChatCompletionRequest.model_validate(
+        {**body, "max_tokens": 5, "max_completion_tokens": 9}
+    )
+    assert request.requested_max_tokens == 9
+
+
+def test_ensemble_inputs_follow_the_contract():
+    params = GenerateParams("hi", 5, temperature=0.5, top_k=3, seed=2**63, stop=("x",))
+    for name, array in ensemble_inputs(params).items():
+        spec = contract.tensor(contract.ENSEMBLE, name)
+        if spec.triton_dtype != "TYPE_STRING":
+            assert array.dtype == spec.numpy_dtype, name
+    assert int(ensemble_inputs(params)["seed"][0, 0]) == 2**63
+
+
+def test_finish_reason_reads_length_only_at_max_tokens():
+    params = GenerateParams("hi", 5)
+    assert finish_reason(GenerationChunk("", 1, 5), params) == "length"
+    assert finish_reason(GenerationChunk("", 1, 3), params) == "stop"
+    assert finish_reason(None, params) == "stop"
+
+
+def test_a_chat_prompt_gets_exactly_one_bos(tokenizer):
+    prompt = render_chat_prompt(tokenizer, [{"role": "user", "content": "Where is the cat?"}])
+    ids = tokenizer.encode(prompt)  # as preprocessing does, with special tokens
+    assert ids.count(tokenizer.bos_token_id) == 1 and ids[0] == tokenizer.bos_token_id
+    assert prompt.endswith("<|assistant|>\n")
