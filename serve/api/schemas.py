@@ -82,17 +82,15 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    prompt: str | list[str]  # a list gets one choice per prompt, in order
     logprobs: None = None  # not implemented: any value is a 400
     echo: Literal[False] = False
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list):
-            if len(prompt) != 1 or not isinstance(prompt[0], str):
-                raise ValueError("a list prompt must hold exactly one string here (n=1)")
-            prompt = prompt[0]
+    def _prompts(cls, prompt):
+        if isinstance(prompt, list) and not 1 <= len(prompt) <= 32:
+            raise ValueError("a list prompt holds 1 to 32 strings (one choice each)")
         return prompt
 
 

@@ -6,6 +6,7 @@ handle's generator makes Serve cancel the replica's ``generate``, whose host
 then stops the engine's sequence.
 """
 
+import asyncio
 import json
 import time
 import uuid
@@ -34,26 +35,61 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def _completion_choice(text: str, finish_reason: str | None, _streaming: bool) -> dict:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def _completion_choice(index: int, text: str, finish_reason: str | None, _stream: bool) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
 
-def _chat_choice(text: str, finish_reason: str | None, streaming: bool) -> dict:
+def _chat_choice(index: int, text: str, finish_reason: str | None, streaming: bool) -> dict:
     body = {"content": text} if streaming else {"role": "assistant", "content": text}
     key = "delta" if streaming else "message"
     return {
-        "index": 0,
+        "index": index,
         key: body if (text or not streaming) else {},
         "finish_reason": finish_reason,
     }
 
 
-def _usage(last: GenerationChunk) -> dict:
+def _usage(lasts: list[GenerationChunk]) -> dict:
+    prompt = sum(last.num_input_tokens for last in lasts)
+    completion = sum(last.num_output_tokens for last in lasts)
     return {
-        "prompt_tokens": last.num_input_tokens,
-        "completion_tokens": last.num_output_tokens,
-        "total_tokens": last.num_input_tokens + last.num_output_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
+
+
+async def _merge(starts) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """Interleave several started streams as ``(index, chunk)`` in arrival order."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, first: GenerationChunk, rest) -> None:
+        try:
+            await queue.put((index, first))
+            async for chunk in rest:
+                await queue.put((index, chunk))
+        except APIError as error:
+            await queue.put((index, error))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, first, rest)) for i, (first, rest) in enumerate(starts)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield index, item
+    finally:  # done, failed or the client left: every replica stream is closed
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _, rest in starts:
+            await rest.aclose()
 
 
 # Decorated here, not in build_app: the replica process imports this module, and
@@ -120,12 +156,16 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     async def completions(self, request: CompletionRequest):
         self._check_model(request.model)
-        params = request.params(
-            request.prompt,
-            request.max_tokens,
-            self.config.max_tokens_cap,
-            self.config.default_max_tokens,
-        )
+        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+        params = [
+            request.params(
+                prompt,
+                request.max_tokens,
+                self.config.max_tokens_cap,
+                self.config.default_max_tokens,
+            )
+            for prompt in prompts
+        ]
         return await self._respond(request, params, "text_completion", _completion_choice)
 
     @app.post("/v1/chat/completions")
@@ -137,7 +177,7 @@ class OpenAIIngress:
             self.config.max_tokens_cap,
             self.config.default_max_tokens,
         )
-        return await self._respond(request, params, "chat.completion", _chat_choice)
+        return await self._respond(request, [params], "chat.completion", _chat_choice)
 
     @app.get("/generate")
     async def generate_get(self, query: str, max_new_tokens: int | None = Query(None, ge=1)):
@@ -158,59 +198,48 @@ class OpenAIIngress:
 
     # -- OpenAI response shapes -----------------------------------------------------------
 
-    async def _respond(self, request, params: GenerateParams, kind: str, choice):
+    async def _respond(self, request, params: list[GenerateParams], kind: str, choice):
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         created, rid = int(time.time()), f"{prefix}-{uuid.uuid4().hex}"
         base = {"id": rid, "created": created, "model": self.config.model_id}
         if not request.stream:
-            text, last = await self._collect(params)
-            return JSONResponse(
-                {
-                    **base,
-                    "object": kind,
-                    "choices": [choice(text, last.finish_reason, False)],
-                    "usage": _usage(last),
-                }
-            )
-        first, rest = await self._start(params)
+            results = await asyncio.gather(*(self._collect(p) for p in params))
+            choices = [
+                choice(i, text, last.finish_reason, False) for i, (text, last) in enumerate(results)
+            ]
+            usage = _usage([last for _, last in results])
+            return JSONResponse({**base, "object": kind, "choices": choices, "usage": usage})
+        starts = await self._start_all(params)
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
 
-        def frame(item: GenerationChunk) -> str:
-            return _sse(
-                {
-                    **base,
-                    "object": chunk_kind,
-                    "choices": [choice(item.text, item.finish_reason, True)],
-                }
-            )
+        def event(choices: list[dict], **extra) -> str:
+            return _sse({**base, "object": chunk_kind, "choices": choices, **extra})
 
         async def events():
-            last = first
+            lasts = [first for first, _ in starts]
             try:
                 if chunk_kind == "chat.completion.chunk":
-                    yield _sse(
-                        {
-                            **base,
-                            "object": chunk_kind,
-                            "choices": [
-                                {
-                                    "index": 0,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
-                    )
-                yield frame(first)
-                async for last in rest:
-                    if last.text or last.finish_reason:
-                        yield frame(last)
+                    role = {"role": "assistant", "content": ""}
+                    yield event([{"index": 0, "delta": role, "finish_reason": None}])
+                async for index, chunk in _merge(starts):
+                    lasts[index] = chunk
+                    if chunk.text or chunk.finish_reason:
+                        yield event([choice(index, chunk.text, chunk.finish_reason, True)])
                 if request.include_usage:
-                    yield _sse({**base, "object": chunk_kind, "choices": [], "usage": _usage(last)})
+                    yield event([], usage=_usage(lasts))
             except APIError as error:  # mid-stream: an error event, never a cut stream
                 yield _sse(error.body())
-            finally:
-                await rest.aclose()  # a client that left: the replica stops generating
             yield _sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _start_all(self, params: list[GenerateParams]):
+        """Every prompt's first chunk (errors become the HTTP status) and its rest."""
+        started = await asyncio.gather(*(self._start(p) for p in params), return_exceptions=True)
+        failures = [s for s in started if isinstance(s, BaseException)]
+        if failures:
+            for item in started:
+                if not isinstance(item, BaseException):
+                    await item[1].aclose()
+            raise failures[0]
+        return started

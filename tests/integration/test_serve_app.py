@@ -117,6 +117,22 @@ def test_finish_reason_is_length_when_max_tokens_ends_the_answer(client):
     assert long.choices[0].finish_reason == "stop" and long.usage.completion_tokens < 200
 
 
+def test_a_list_of_prompts_gets_one_choice_each_streamed_or_not(client):
+    prompts = ["The cat", "Where is the river?", "Hello"]
+    whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=10)
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=10).choices[0].text
+        for p in prompts
+    ]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.text for c in whole.choices] == alone
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=10, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == alone
+
+
 def test_generate_get_and_post_match_completions(app_url, client):
     text = client.completions.create(model=MODEL, prompt="The cat", max_tokens=12).choices[0].text
     got = httpx.get(f"{app_url}/generate", params={"query": "The cat", "max_new_tokens": 12})

@@ -49,7 +49,7 @@ def test_unsupported_or_invalid_parameters_are_rejected(extra):
 
 def test_parameters_map_onto_generate_params_with_the_cap():
     request = CompletionRequest.model_validate(
-        {"model": "m", "prompt": ["x"], "stop": "\n", "top_k": 5, "seed": 3, "max_tokens": 7}
+        {"model": "m", "prompt": "x", "stop": "\n", "top_k": 5, "seed": 3, "max_tokens": 7}
     )
     params = request.params(request.prompt, request.max_tokens, cap=10, default=4)
     assert (params.prompt, params.max_tokens, params.stop, params.top_k) == ("x", 7, ("\n",), 5)
