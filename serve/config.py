@@ -44,6 +44,9 @@ class AppConfig(BaseModel):
     triton: TritonConfig = Field(default_factory=TritonConfig)
     max_tokens_cap: int = Field(512, gt=0, description="largest max_tokens a request may ask")
     default_max_tokens: int = Field(64, gt=0, description="max_tokens when a request sets none")
+    max_body_bytes: int = Field(
+        1 << 20, gt=0, description="larger request bodies get a 413 before they are read"
+    )
     replica_options: dict[str, Any] = Field(
         default_factory=dict,
         description="Serve deployment options of the Triton replicas (autoscaling_config, "

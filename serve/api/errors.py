@@ -30,6 +30,10 @@ class NotFound(APIError):
     status = 404
 
 
+class TooLarge(APIError):
+    status = 413
+
+
 class Overloaded(APIError):
     status = 503
     type = "server_error"
@@ -41,6 +45,15 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def install_handlers(app: FastAPI) -> None:
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        # app.state.max_body_bytes is set from the config by the ingress.
+        limit = getattr(request.app.state, "max_body_bytes", None)
+        length = request.headers.get("content-length", "")
+        if limit and length.isdigit() and int(length) > limit:
+            return error_response(TooLarge(f"request body of {length} bytes exceeds {limit}"))
+        return await call_next(request)
+
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, error: APIError):
         return error_response(error)

@@ -103,6 +103,7 @@ class OpenAIIngress:
 
         self.replica = replica
         self.config = config
+        app.state.max_body_bytes = config.max_body_bytes
         self.tokenizer = load_tokenizer(str(config.tokenizer_dir()))
 
     # -- generation plumbing ----------------------------------------------------------

@@ -162,6 +162,14 @@ def test_bad_requests_get_openai_error_objects_and_the_app_serves_on(
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
 
 
+def test_an_oversized_body_is_a_413_and_the_app_serves_on(app_url, client):
+    body = {"model": MODEL, "prompt": "x" * (2 << 20), "max_tokens": 2}
+    response = httpx.post(f"{app_url}/v1/completions", json=body)
+    assert response.status_code == 413
+    assert "exceeds" in response.json()["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
+
+
 def test_an_over_long_prompt_is_a_400(app_url):
     body = {"model": MODEL, "prompt": "The cat sat. " * 200, "max_tokens": 8}
     response = httpx.post(f"{app_url}/v1/completions", json=body)
