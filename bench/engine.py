@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import subprocess
 import sys
 import threading
@@ -75,14 +74,11 @@ def make_prompts(count: int, words: int, seed: int = 0) -> list[str]:
 
 def build_bench_repository(scratch: Path, max_batch_size: int, num_threads: int) -> Path:
     """The tracked repository layout plus the bench model, outside the working tree's own."""
+    from build_engines.repository import ModelRepository
+
     repository = scratch / "model_repository"
     # Refreshed every run, so the scratch copy serves this checkout's model code.
-    shutil.copytree(
-        ROOT / "model_repository",
-        repository,
-        ignore=shutil.ignore_patterns("config.pbtxt", "hf_model", ".build.json"),
-        dirs_exist_ok=True,
-    )
+    ModelRepository(ROOT / "model_repository").copy_layout(repository)
     command = [sys.executable, "-m", "build_engines", "--size", "bench"]
     command += ["--repository", str(repository), "--max-batch-size", str(max_batch_size)]
     command += ["--num-threads", str(num_threads)]

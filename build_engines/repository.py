@@ -67,6 +67,20 @@ class ModelRepository:
         paths += [p for p in self.engine_version_dir.iterdir() if p.name != "model.py"]
         return [p for p in paths if p.exists()]
 
+    def copy_layout(self, destination: Path) -> ModelRepository:
+        """The tracked files (templates, model.py adapters) under ``destination``, none of
+        what a build writes; refreshes an existing copy in place."""
+        generated = {p.resolve() for p in self.generated_paths()}
+        shutil.copytree(
+            self.root,
+            destination,
+            ignore=lambda folder, names: [
+                n for n in names if (Path(folder) / n).resolve() in generated
+            ],
+            dirs_exist_ok=True,
+        )
+        return ModelRepository(destination)
+
     def clean(self) -> list[Path]:
         removed = self.generated_paths()
         for path in removed:

@@ -53,3 +53,13 @@ def test_cli_reports_errors_with_exit_code_2(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["--target", "trtllm"]) == 2
     assert "TensorRT-LLM is not installed" in capsys.readouterr().err
+
+
+def test_copy_layout_takes_the_tracked_files_and_nothing_a_build_wrote(built_repository, tmp_path):
+    from build_engines.repository import ModelRepository
+
+    copy = ModelRepository(built_repository).copy_layout(tmp_path / "repo")
+    files = {p.relative_to(copy.root).as_posix() for p in copy.root.rglob("*") if p.is_file()}
+    assert "tensorrt_llm/1/model.py" in files and "tensorrt_llm/config.pbtxt.torch.in" in files
+    assert not [f for f in files if f.endswith("config.pbtxt") or "hf_model" in f]
+    assert ".build.json" not in files

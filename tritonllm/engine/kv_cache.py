@@ -42,7 +42,7 @@ class SlotKVCache(Cache):
         initial_len: int = 256,
     ):
         super().__init__(layers=[])
-        self.num_slots, self.max_len = num_slots, max_len
+        self.max_len = max_len
         shape = (num_slots, num_kv_heads, min(initial_len, max_len), head_dim)
         self._keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._values = [torch.zeros_like(k) for k in self._keys]

@@ -1,4 +1,4 @@
-"""The Hugging Face causal LM behind the engine: load, prefill one sequence, decode a batch."""
+"""The Hugging Face causal LM behind the engine: load, prefill prompts, decode a batch."""
 
 from __future__ import annotations
 
