@@ -34,6 +34,11 @@ class TooLarge(APIError):
     status = 413
 
 
+class InternalError(APIError):
+    status = 500
+    type = "server_error"
+
+
 class Overloaded(APIError):
     status = 503
     type = "server_error"

@@ -17,18 +17,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from serve.api.chat_template import render_chat_prompt
-from serve.api.errors import APIError, NotFound, Overloaded, install_handlers
+from serve.api.errors import APIError, InternalError, NotFound, Overloaded, install_handlers
 from serve.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from serve.config import AppConfig
+from serve.triton.host import GenerationError
 from serve.triton.requests import GenerateParams, GenerationChunk
-from serve.triton.sidecar import GenerationError
 
 app = FastAPI(title="triton-ray-llm")
 install_handlers(app)
 
 
 def _as_api_error(error: GenerationError) -> APIError:
-    return Overloaded(str(error)) if error.retryable else APIError(str(error))
+    if error.kind == GenerationError.INVALID:
+        return APIError(str(error))
+    if error.kind == GenerationError.UNAVAILABLE:
+        return Overloaded(str(error))
+    return InternalError(str(error))
 
 
 def _sse(payload: dict | str) -> str:

@@ -103,6 +103,17 @@ def chunk_from_outputs(outputs: dict[str, np.ndarray], params: GenerateParams) -
     )
 
 
+def final_chunk(last: GenerationChunk | None, params: GenerateParams) -> GenerationChunk:
+    """The empty chunk that ends every stream, with the counts so far and the reason."""
+    return GenerationChunk(
+        text="",
+        num_input_tokens=last.num_input_tokens if last else 0,
+        num_output_tokens=last.num_output_tokens if last else 0,
+        cum_log_prob=last.cum_log_prob if last else None,
+        finish_reason=finish_reason(last, params),
+    )
+
+
 def finish_reason(last: GenerationChunk | None, params: GenerateParams) -> str:
     """``length`` when max_tokens ended the answer, else ``stop`` (EOS or a stop word).
 

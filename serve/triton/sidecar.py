@@ -15,42 +15,62 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import tritonclient.grpc.aio as grpc_aio
+from tritonclient.utils import InferenceServerException
 
 from serve.triton.client import infer_inputs
+from serve.triton.host import GenerationError
 from serve.triton.launcher import TritonProcess
 from serve.triton.requests import (
     GenerateParams,
     GenerationChunk,
     chunk_from_outputs,
     ensemble_inputs,
-    finish_reason,
+    final_chunk,
     stop_inputs,
 )
 from tritonllm import contract
 
 log = logging.getLogger(__name__)
 
+# A gRPC stream response carries only Triton's error *message*, not its status code
+# (ModelStreamInferResponse.error_message), so the sidecar reads the kind from the
+# words the engines use: the torch engine's and TensorRT-LLM's backend's.
+_UNAVAILABLE = re.compile(r"queue is full|not ready|unavailable|shutting down|cannot process new")
+_INVALID = re.compile(r"must be|must hold|exceeds|is empty|not supported|invalid|outside|unknown")
 
-class GenerationError(RuntimeError):
-    """Triton refused or failed a request; ``retryable`` when the engine was full."""
 
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.retryable = "queue is full" in message
+def classify(message: str) -> GenerationError:
+    text = message.lower()
+    if _UNAVAILABLE.search(text):
+        return GenerationError(message, GenerationError.UNAVAILABLE)
+    if _INVALID.search(text):
+        return GenerationError(message, GenerationError.INVALID)
+    return GenerationError(message, GenerationError.INTERNAL)
 
 
 class SidecarHost:
-    def __init__(self, repository: Path | str, start_timeout_s: float = 300.0):
-        self.process = TritonProcess(Path(repository))
+    """:class:`serve.triton.host.TritonHost` on a child ``tritonserver`` process."""
+
+    def __init__(
+        self,
+        repository: Path | str,
+        start_timeout_s: float = 300.0,
+        extra_args: tuple[str, ...] = (),
+    ):
+        self.process = TritonProcess(Path(repository), extra_args=extra_args)
         self._start_timeout_s = start_timeout_s
         self._clients: dict[asyncio.AbstractEventLoop, grpc_aio.InferenceServerClient] = {}
+        self._engine_steps: dict[str, str] = {}
 
     def start(self) -> SidecarHost:
-        """Start Triton and wait until its models are ready (blocking)."""
+        """Start Triton and wait until it is ready (blocking)."""
         self.process.start(timeout_s=self._start_timeout_s)
         return self
 
@@ -63,21 +83,23 @@ class SidecarHost:
         if client is not None:
             await client.close()
 
-    async def is_ready(self) -> bool:
-        """Triton alive and the ensemble ready (what the replica's health check asks)."""
+    async def is_ready(self, model: str = contract.ENSEMBLE) -> bool:
+        """Triton alive and ``model`` ready (what the replica's health check asks)."""
         if self.process.poll() is not None:
             return False
         try:
-            return await self._client().is_model_ready(contract.ENSEMBLE)
-        except Exception:
+            return await self._client().is_model_ready(model)
+        except (InferenceServerException, grpc.RpcError):
             return False
 
-    async def generate(self, params: GenerateParams) -> AsyncIterator[GenerationChunk]:
+    async def generate(
+        self, params: GenerateParams, model: str = contract.ENSEMBLE
+    ) -> AsyncIterator[GenerationChunk]:
         """Stream the answer's chunks, then one empty chunk with the finish reason."""
 
         async def requests():
             yield {
-                "model_name": contract.ENSEMBLE,
+                "model_name": model,
                 "inputs": infer_inputs(ensemble_inputs(params)),
                 "request_id": params.request_id,
             }
@@ -86,42 +108,83 @@ class SidecarHost:
         last = None
         done = False
         try:
-            async for result, error in responses:
-                if error is not None:
-                    raise GenerationError(str(error.message()))
-                outputs = {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
-                if outputs:  # the empty final response of an EOS carries nothing
-                    last = chunk_from_outputs(outputs, params)
-                    yield last
+            try:
+                async for result, error in responses:
+                    if error is not None:
+                        raise classify(str(error.message()))
+                    response = result.get_response()
+                    outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
+                    if outputs:  # the empty final response of an EOS carries nothing
+                        last = chunk_from_outputs(outputs, params)
+                        yield last
+            except grpc.RpcError as error:  # the stream itself broke
+                raise self._lost(error.details()) from None
             done = True
-            yield GenerationChunk(
-                text="",
-                num_input_tokens=last.num_input_tokens if last else 0,
-                num_output_tokens=last.num_output_tokens if last else 0,
-                cum_log_prob=last.cum_log_prob if last else None,
-                finish_reason=finish_reason(last, params),
-            )
+            yield final_chunk(last, params)
         finally:
             if not done:  # the caller went away (or Triton failed): free the engine
                 responses.cancel()
-                await asyncio.shield(self.cancel(params.request_id))
+                await asyncio.shield(self.cancel(params.request_id, model))
 
-    async def cancel(self, request_id: str) -> None:
+    def _lost(self, details: str | None) -> GenerationError:
+        """The gRPC stream failed: Triton died or is going away (retry elsewhere)."""
+        state = "exited" if self.process.poll() is not None else "broke the stream"
+        return GenerationError(f"Triton {state}: {details}", GenerationError.UNAVAILABLE)
+
+    async def cancel(self, request_id: str, model: str = contract.ENSEMBLE) -> None:
         """Stop a running generation by its request id (unknown ids are ignored)."""
-
-        async def requests():
-            yield {
-                "model_name": contract.TENSORRT_LLM,
-                "inputs": infer_inputs(stop_inputs()),
-                "request_id": request_id,
-            }
-
         try:
+            step = await self._engine_step(model)
+
+            async def requests():
+                yield {
+                    "model_name": step,
+                    "inputs": infer_inputs(stop_inputs()),
+                    "request_id": request_id,
+                }
+
             async for _, error in self._client().stream_infer(requests()):
                 if error is not None:
                     log.warning("stop for %s failed: %s", request_id, error)
-        except Exception:
-            log.exception("could not stop %s", request_id)
+        except (InferenceServerException, grpc.RpcError) as error:
+            if self.process.poll() is None:  # a dead Triton has nothing left to stop
+                log.warning("could not stop %s: %s", request_id, error)
+
+    async def _engine_step(self, model: str) -> str:
+        """The ensemble step that runs the engine (the one fed ``input_ids``): where a
+        ``stop`` must go, since the ensemble does not pass cancellation on."""
+        if model not in self._engine_steps:
+            config = await self._client().get_model_config(model, as_json=True)
+            steps = config["config"].get("ensemble_scheduling", {}).get("step", [])
+            engines = [s["model_name"] for s in steps if "input_ids" in s.get("input_map", {})]
+            self._engine_steps[model] = engines[0] if engines else model
+        return self._engine_steps[model]
+
+    async def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.process.metrics_port}/metrics"
+
+        def fetch() -> str:  # a loopback GET; off the event loop all the same
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return response.read().decode()
+
+        return await asyncio.to_thread(fetch)
+
+    async def load_model(self, name: str) -> None:
+        try:
+            await self._client().load_model(name)
+        except InferenceServerException as error:
+            raise GenerationError(str(error.message()), GenerationError.INTERNAL) from None
+
+    async def unload_model(self, name: str) -> None:
+        self._engine_steps.pop(name, None)
+        try:
+            await self._client().unload_model(name)
+        except InferenceServerException as error:
+            raise GenerationError(str(error.message()), GenerationError.INTERNAL) from None
+
+    async def model_index(self) -> dict[str, str]:
+        index = await self._client().get_model_repository_index(as_json=True)
+        return {m["name"]: m.get("state", "") for m in index.get("models", [])}
 
     def _client(self) -> grpc_aio.InferenceServerClient:
         """This event loop's channel (a gRPC asyncio channel belongs to one loop)."""

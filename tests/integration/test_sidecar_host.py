@@ -6,10 +6,12 @@ import asyncio
 
 import pytest
 
+from serve.triton.host import GenerationError
 from serve.triton.requests import GenerateParams
-from serve.triton.sidecar import GenerationError, SidecarHost
+from serve.triton.sidecar import SidecarHost
 from tests.integration.test_inflight_batching import engine_metrics, wait_for
 from tests.reference import hf_greedy
+from tritonllm import contract
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +56,7 @@ def test_chunks_join_into_generate_and_the_last_gives_the_reason(
 def test_triton_errors_arrive_with_their_message(host):
     with pytest.raises(GenerationError, match="max_tokens must be > 0") as info:
         collect(host, GenerateParams("The cat", 0))
-    assert not info.value.retryable
+    assert info.value.kind == GenerationError.INVALID
     assert collect(host, GenerateParams("The cat", 2))[-1].num_output_tokens == 2
 
 
@@ -80,3 +82,18 @@ def test_readiness_follows_the_server(built_repository):
     assert asyncio.run(ready(host))
     host.stop()
     assert not asyncio.run(ready(host))
+
+
+def test_metrics_and_the_repository_index(host):
+    async def scenario():
+        try:
+            step = await host._engine_step("ensemble")
+            return await host.metrics(), await host.model_index(), step
+        finally:
+            await host.close()
+
+    metrics, index, engine_step = asyncio.run(scenario())
+    assert "nv_inference_request_success" in metrics
+    assert "tritonllm_engine_generated_tokens_total" in metrics
+    assert index == {m: "READY" for m in contract.MODELS}
+    assert engine_step == "tensorrt_llm"

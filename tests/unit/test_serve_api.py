@@ -9,7 +9,9 @@ from serve.api.chat_template import render_chat_prompt
 from serve.api.errors import APIError
 from serve.api.schemas import ChatCompletionRequest, CompletionRequest
 from serve.config import AppConfig
+from serve.triton.host import GenerationError
 from serve.triton.requests import GenerateParams, GenerationChunk, ensemble_inputs, finish_reason
+from serve.triton.sidecar import classify
 from tritonllm import contract
 
 
@@ -87,3 +89,18 @@ def test_a_chat_prompt_gets_exactly_one_bos(tokenizer):
     ids = tokenizer.encode(prompt)  # as preprocessing does, with special tokens
     assert ids.count(tokenizer.bos_token_id) == 1 and ids[0] == tokenizer.bos_token_id
     assert prompt.endswith("<|assistant|>\n")
+
+
+@pytest.mark.parametrize(
+    "message, kind",
+    [
+        ("in ensemble 'ensemble', max_tokens must be > 0, got 0", GenerationError.INVALID),
+        ("prompt (1201 tokens) + max_tokens (8) exceeds the maximum", GenerationError.INVALID),
+        ("the engine's queue is full (256 waiting): retry later", GenerationError.UNAVAILABLE),
+        ("Cannot process new request: max queue size reached", GenerationError.UNAVAILABLE),
+        ("CUDA error: an illegal memory access was encountered", GenerationError.INTERNAL),
+    ],
+)
+def test_sidecar_errors_are_classified_by_their_message(message, kind):
+    error = classify(message)
+    assert (error.kind, str(error)) == (kind, message)

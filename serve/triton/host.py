@@ -1,0 +1,76 @@
+"""The seam between a replica and its Triton server: one interface, two implementations.
+
+- ``SidecarHost`` (``serve/triton/sidecar.py``): the ``tritonserver`` binary as a
+  supervised child process on loopback ports, spoken to with tritonclient's asyncio
+  gRPC client. Works wherever the binary runs (the pytriton wheel on CPU, NGC images).
+- ``InProcessHost`` (``serve/triton/in_process.py``): the official ``tritonserver``
+  Python API, Triton inside the replica's own process (NGC images, Python 3.12).
+
+Nothing above ``serve/triton/`` knows which one runs, and nothing above it sees a
+tritonclient or tritonserver exception: each host turns Triton's errors into
+:class:`GenerationError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from serve.triton.requests import GenerateParams, GenerationChunk
+from tritonllm import contract
+
+
+class GenerationError(RuntimeError):
+    """Triton refused or failed a request.
+
+    ``kind`` tells the front door which answer the client gets:
+    ``invalid`` (the request is wrong: 400), ``unavailable`` (the engine is full or
+    the server is going away: 503, retry), ``internal`` (anything else: 500).
+    """
+
+    INVALID, UNAVAILABLE, INTERNAL = "invalid", "unavailable", "internal"
+
+    def __init__(self, message: str, kind: str = INTERNAL):
+        super().__init__(message)
+        self.kind = kind
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind == self.UNAVAILABLE
+
+
+class TritonHost(Protocol):
+    """One Triton server owned by one replica."""
+
+    def start(self) -> TritonHost:
+        """Start Triton and wait until its models are ready (blocking: call it off the
+        event loop). Raises with Triton's own log tail when it cannot start."""
+
+    def stop(self) -> None:
+        """Stop Triton; in-flight requests end with an error (blocking)."""
+
+    async def is_ready(self, model: str = contract.ENSEMBLE) -> bool:
+        """Triton alive and ``model`` ready (the replica's health check)."""
+
+    def generate(
+        self, params: GenerateParams, model: str = contract.ENSEMBLE
+    ) -> AsyncIterator[GenerationChunk]:
+        """Stream the answer of ``model`` (an ensemble on this repository's contract):
+        the text chunks, then one empty chunk with the finish reason. Closing the
+        iterator early stops the generation in the engine."""
+
+    async def cancel(self, request_id: str, model: str = contract.ENSEMBLE) -> None:
+        """Stop a running generation of ``model`` by request id (unknown ids: no-op)."""
+
+    async def metrics(self) -> str:
+        """Triton's Prometheus metrics text (engine metrics included)."""
+
+    async def load_model(self, name: str) -> None:
+        """Load ``name`` (explicit model control); an ensemble loads its steps too."""
+
+    async def unload_model(self, name: str) -> None:
+        """Unload ``name`` and wait until it is gone."""
+
+    async def model_index(self) -> dict[str, str]:
+        """The repository index: every model's name and state (``READY``, ``UNAVAILABLE``,
+        ``LOADING``, ... ; models never loaded have the empty state)."""
