@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+import numpy as np
+
 from serve.triton.requests import GenerateParams, GenerationChunk
 from tritonllm import contract
 
@@ -58,6 +60,10 @@ class TritonHost(Protocol):
         """Stream the answer of ``model`` (an ensemble on this repository's contract):
         the text chunks, then one empty chunk with the finish reason. Closing the
         iterator early stops the generation in the engine."""
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One non-decoupled request (an embeddings model, say): named input arrays, batch
+        dimension first, to named output arrays."""
 
     async def cancel(self, request_id: str, model: str = contract.ENSEMBLE) -> None:
         """Stop a running generation of ``model`` by request id (unknown ids: no-op)."""

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import tritonclient.grpc.aio as grpc_aio
 from tritonclient.utils import InferenceServerException
 
@@ -125,6 +126,13 @@ class SidecarHost:
             if not done:  # the caller went away (or Triton failed): free the engine
                 responses.cancel()
                 await asyncio.shield(self.cancel(params.request_id, model))
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            result = await self._client().infer(model, infer_inputs(inputs))
+        except InferenceServerException as error:
+            raise classify(str(error.message())) from None
+        return {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
 
     def _lost(self, details: str | None) -> GenerationError:
         """The gRPC stream failed: Triton died or is going away (retry elsewhere)."""
