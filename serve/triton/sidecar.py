@@ -56,6 +56,16 @@ def classify(message: str) -> GenerationError:
     return GenerationError(message, GenerationError.INTERNAL)
 
 
+def _from_status(error: InferenceServerException) -> GenerationError:
+    """A unary call's error carries its gRPC status code: trust it over the words."""
+    status = error.status() or ""
+    if "INVALID_ARGUMENT" in status:
+        return GenerationError(str(error.message()), GenerationError.INVALID)
+    if "UNAVAILABLE" in status or "RESOURCE_EXHAUSTED" in status:
+        return GenerationError(str(error.message()), GenerationError.UNAVAILABLE)
+    return classify(str(error.message()))
+
+
 class SidecarHost:
     """:class:`serve.triton.host.TritonHost` on a child ``tritonserver`` process."""
 
@@ -131,7 +141,7 @@ class SidecarHost:
         try:
             result = await self._client().infer(model, infer_inputs(inputs))
         except InferenceServerException as error:
-            raise classify(str(error.message())) from None
+            raise _from_status(error) from None
         return {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
 
     def _lost(self, details: str | None) -> GenerationError:
