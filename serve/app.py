@@ -2,23 +2,72 @@
 
 serve run serve/config.yaml          # local
 serve deploy serve/config.yaml       # a running cluster (after ray start --head)
+
+Each model of the config gets its own deployment of Triton replicas (its own
+resources, autoscaling and limits); one OpenAI ingress routes to them by the
+request's ``model``.
 """
 
 from __future__ import annotations
 
-from ray import serve
+from typing import Any
 
-from serve.config import AppConfig
+from ray import serve
+from ray.serve.config import AutoscalingConfig
+
+from serve.config import AppConfig, ModelConfig
 from serve.deployments.ingress import OpenAIIngress
 from serve.deployments.triton_replica import TritonReplica
+from serve.triton import repository
 
 
 def build_app(args: dict | None = None):
     config = AppConfig.model_validate(args or {})
-    replica = serve.deployment(TritonReplica).options(
-        name="TritonReplica", **config.replica_options
+    replicas = {}
+    for model in config.models:
+        deployment = serve.deployment(TritonReplica).options(**replica_options(model))
+        replicas[model.id] = deployment.bind(model)
+    ingress = serve.deployment(OpenAIIngress).options(**ingress_options(config))
+    return ingress.bind(replicas, config)
+
+
+def replica_options(model: ModelConfig) -> dict[str, Any]:
+    """Serve options of one model's Triton replicas, from its config and its repository."""
+    path = model.triton.repository_path()
+    repository.check_built(path, (model.entry_model(),))
+    options = model.deployment.model_dump(
+        exclude={"num_replicas", "autoscaling_config", "ray_actor_options"}
     )
-    ingress = serve.deployment(OpenAIIngress).options(
-        name="OpenAIIngress", **config.ingress_options
-    )
-    return ingress.bind(replica.bind(config), config)
+    options["graceful_shutdown_timeout_s"] = model.drain_timeout_s()
+    options["ray_actor_options"] = model.deployment.ray_actor_options.to_ray()
+    if model.deployment.num_replicas is not None:
+        options["num_replicas"] = model.deployment.num_replicas
+    else:
+        options["autoscaling_config"] = autoscaling(model)
+    return {"name": model.deployment_name(), **options}
+
+
+def autoscaling(model: ModelConfig) -> AutoscalingConfig:
+    """The model's autoscaling_config; ``target_ongoing_requests`` defaults to the
+    engine's batch size: a replica scales out once its batch is full and more waits."""
+    given = model.deployment.autoscaling_config
+    if given is not None and given.target_ongoing_requests is not None:
+        return given
+    target = float(_batch_size(model))
+    if given is None:
+        return AutoscalingConfig(min_replicas=1, max_replicas=1, target_ongoing_requests=target)
+    return given.model_copy(update={"target_ongoing_requests": target})
+
+
+def _batch_size(model: ModelConfig) -> int:
+    if model.task != "generate":
+        return 8  # an embeddings request is one short forward: a small target suffices
+    return repository.engine_batch_size(model.triton.repository_path())
+
+
+def ingress_options(config: AppConfig) -> dict[str, Any]:
+    options = config.ingress.model_dump(exclude={"ray_actor_options"})
+    options["ray_actor_options"] = config.ingress.ray_actor_options.to_ray()
+    # The ingress holds a stream as long as the replica behind it: drain as long.
+    options["graceful_shutdown_timeout_s"] = max(m.drain_timeout_s() for m in config.models)
+    return {"name": "OpenAIIngress", **options}

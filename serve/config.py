@@ -1,25 +1,34 @@
 """The application's configuration: Serve YAML ``args``, validated once with pydantic.
 
-Errors name the bad field (pydantic's own messages). Serve's own deployment
-options (autoscaling_config, max_ongoing_requests, ray_actor_options, ...) pass
-through unchanged to ``.options()``.
+One ``AppConfig`` describes the whole application: the models it serves (each its
+own Triton model repository and its own Serve deployment of Triton replicas, with
+its own resources, autoscaling and limits), the HTTP front door's limits and its
+API keys. Errors name the bad field (pydantic's own messages). Config objects do
+no I/O; :mod:`serve.app` reads the repositories they name.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from ray.serve.config import AutoscalingConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Model ids reach logs, metrics labels, deployment names and (for multiplexed
+# variants) Triton model names: no path separators, no spaces.
+ModelId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 
-class TritonConfig(BaseModel):
+
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+
+class TritonConfig(_Strict):
     model_repository: Path = Field(
-        ROOT / "model_repository",
+        Path("model_repository"),
         description="the built model repository (make engines); relative to the project root",
     )
     mode: Literal["auto", "sidecar"] = Field(
@@ -33,38 +42,149 @@ class TritonConfig(BaseModel):
         return path if path.is_absolute() else ROOT / path
 
 
-class AppConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RayActorOptions(_Strict):
+    """The resources of one replica (Ray's ``ray_actor_options``)."""
 
-    model_id: str = Field(
-        "tritonllm-default",
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$",
-        description="the name clients send as `model`",
+    num_cpus: float = Field(1, ge=0, description="CPUs Ray reserves for the replica")
+    num_gpus: float = Field(
+        0, ge=0, description="GPUs per replica: 1 on GPU boxes (a replica never shares one)"
+    )
+    memory: int | None = Field(None, gt=0, description="bytes of memory Ray reserves")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom resources")
+    accelerator_type: str | None = Field(None, description="e.g. H100, A10G")
+    runtime_env: dict[str, Any] = Field(default_factory=dict, description="Ray runtime_env")
+
+    def to_ray(self) -> dict[str, Any]:
+        """As ``ray_actor_options``: unset and empty entries left out."""
+        return {k: v for k, v in self.model_dump(exclude_none=True).items() if v != {}}
+
+
+class DeploymentOptions(_Strict):
+    """Serve's deployment options, with defaults chosen for LLM serving.
+
+    Serve's own defaults (one replica, no autoscaling, ``max_ongoing_requests: 5``,
+    a 20 s graceful shutdown) would neither scale nor let a long answer finish
+    during a rolling update; every value here is set on purpose.
+    """
+
+    num_replicas: int | None = Field(
+        None, ge=1, description="a fixed replica count instead of autoscaling_config"
+    )
+    autoscaling_config: AutoscalingConfig | None = Field(
+        None,
+        description="Serve's autoscaling_config; when unset, 1 to 1 replicas with "
+        "target_ongoing_requests = the engine's batch size",
+    )
+    max_ongoing_requests: int = Field(
+        32, ge=1, description="requests a replica holds at once (running + in its engine queue)"
+    )
+    max_queued_requests: int = Field(
+        64, ge=-1, description="requests waiting for a replica before a 503 (-1: no bound)"
+    )
+    graceful_shutdown_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="how long a stopping replica drains; unset: the longest answer the "
+        "max_tokens cap allows (max_tokens_cap x slowest_token_s + 30 s)",
+    )
+    graceful_shutdown_wait_loop_s: float = Field(1.0, gt=0)
+    health_check_period_s: float = Field(5.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    max_constructor_retry_count: int = Field(
+        3, ge=1, description="failed replica starts before the deployment is DEPLOY_FAILED"
+    )
+    ray_actor_options: RayActorOptions = Field(default_factory=RayActorOptions)
+
+    @model_validator(mode="after")
+    def _one_scaling_mode(self) -> DeploymentOptions:
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("set num_replicas or autoscaling_config, not both")
+        return self
+
+
+class ModelConfig(_Strict):
+    """One model the application serves, on its own Triton replicas."""
+
+    id: ModelId = Field(description="the name clients send as `model`")
+    task: Literal["generate", "embed"] = Field(
+        "generate", description="generate: an LLM ensemble; embed: an embeddings model"
     )
     triton: TritonConfig = Field(default_factory=TritonConfig)
+    triton_model: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="the Triton model requests go to; default: ensemble (generate), "
+        "embeddings (embed)",
+    )
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
     max_tokens_cap: int = Field(512, gt=0, description="largest max_tokens a request may ask")
     default_max_tokens: int = Field(64, gt=0, description="max_tokens when a request sets none")
+    slowest_token_s: float = Field(
+        0.2,
+        gt=0,
+        description="an upper bound of one decode step under full load; sizes the drain time",
+    )
+
+    def entry_model(self) -> str:
+        return self.triton_model or ("ensemble" if self.task == "generate" else "embeddings")
+
+    def deployment_name(self) -> str:
+        return f"Triton-{self.id}"
+
+    def drain_timeout_s(self) -> float:
+        explicit = self.deployment.graceful_shutdown_timeout_s
+        return explicit or self.max_tokens_cap * self.slowest_token_s + 30.0
+
+
+class APIKeys(_Strict):
+    """Where the API keys come from; with none found, the API is open (loopback use)."""
+
+    env: str | None = Field(
+        "TRITONLLM_API_KEYS", description="environment variable with comma-separated keys"
+    )
+    file: Path | None = Field(None, description="a file with one key per line")
+
+
+class IngressOptions(_Strict):
+    """The HTTP front door's Serve options: light, async, many requests at once."""
+
+    num_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(
+        1024, ge=1, description="concurrent HTTP requests per ingress replica"
+    )
+    ray_actor_options: RayActorOptions = Field(default_factory=lambda: RayActorOptions(num_cpus=0))
+
+
+class AppConfig(_Strict):
+    models: list[ModelConfig] = Field(
+        default_factory=lambda: [ModelConfig(id="tritonllm-default")],
+        min_length=1,
+        description="the models served; the first generate model also answers /generate",
+    )
     max_body_bytes: int = Field(
         1 << 20, gt=0, description="larger request bodies get a 413 before they are read"
     )
-    replica_options: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Serve deployment options of the Triton replicas (autoscaling_config, "
-        "max_ongoing_requests, ray_actor_options, ...)",
+    max_prompt_chars: int = Field(
+        1 << 17, gt=0, description="a prompt (or all messages together) past this is a 400"
     )
-    ingress_options: dict[str, Any] = Field(
-        default_factory=dict, description="Serve deployment options of the HTTP ingress"
-    )
+    max_messages: int = Field(256, gt=0, description="chat messages a request may hold")
+    api_keys: APIKeys = Field(default_factory=APIKeys)
+    ingress: IngressOptions = Field(default_factory=IngressOptions)
 
-    def tokenizer_dir(self) -> Path:
-        """The tokenizer the repository's preprocessing model uses (one source of truth)."""
-        from google.protobuf import text_format
-        from tritonclient.grpc import model_config_pb2
+    @model_validator(mode="after")
+    def _unique_ids(self) -> AppConfig:
+        ids = [m.id for m in self.models]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"model ids must be unique: {', '.join(duplicates)}")
+        if not any(m.task == "generate" for m in self.models):
+            raise ValueError("at least one model must have task: generate")
+        return self
 
-        repository = self.triton.repository_path()
-        path = repository / "preprocessing" / "config.pbtxt"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: run `make engines` first")
-        config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
-        tokenizer_dir = Path(config.parameters["tokenizer_dir"].string_value)
-        return tokenizer_dir if tokenizer_dir.is_absolute() else repository / tokenizer_dir
+    def model(self, model_id: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.id == model_id), None)
+
+    @property
+    def default_model(self) -> ModelConfig:
+        """The model of /generate: the first generate model."""
+        return next(m for m in self.models if m.task == "generate")

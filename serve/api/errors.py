@@ -1,10 +1,21 @@
-"""OpenAI error objects with the right HTTP status, and FastAPI's handlers for them."""
+"""OpenAI error objects with the right HTTP status, and FastAPI's handlers for them.
+
+Code raises an :class:`APIError` subclass; one set of handlers turns it, FastAPI's
+validation errors (400, never 422) and anything unexpected (500, a generic message,
+the details only in the log with the request id) into
+``{"error": {"message", "type", "param", "code"}}``.
+"""
 
 from __future__ import annotations
+
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("ray.serve")
 
 
 class APIError(Exception):
@@ -25,6 +36,17 @@ class APIError(Exception):
             }
         }
 
+    def headers(self) -> dict[str, str] | None:
+        return None
+
+
+class Unauthorized(APIError):
+    status = 401
+    type = "authentication_error"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
 
 class NotFound(APIError):
     status = 404
@@ -40,25 +62,21 @@ class InternalError(APIError):
 
 
 class Overloaded(APIError):
+    """Full or briefly unavailable: the client should retry (``Retry-After``)."""
+
     status = 503
     type = "server_error"
+    retry_after_s = 1
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 def error_response(error: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if error.status == 503 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
 
 def install_handlers(app: FastAPI) -> None:
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        # app.state.max_body_bytes is set from the config by the ingress.
-        limit = getattr(request.app.state, "max_body_bytes", None)
-        length = request.headers.get("content-length", "")
-        if limit and length.isdigit() and int(length) > limit:
-            return error_response(TooLarge(f"request body of {length} bytes exceeds {limit}"))
-        return await call_next(request)
-
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, error: APIError):
         return error_response(error)
@@ -66,5 +84,21 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, error: RequestValidationError):
         first = error.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        param = ".".join(str(p) for p in first["loc"] if p not in ("body", "query")) or None
         return error_response(APIError(f"{param}: {first['msg']}", param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, error: StarletteHTTPException):
+        # Routing errors (unknown path: 404, wrong method: 405) in OpenAI's shape too.
+        api_error = APIError(str(error.detail))
+        api_error.status = error.status_code
+        return error_response(api_error)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, error: Exception):
+        log.exception(
+            "unexpected error on %s (request %s)",
+            request.url.path,
+            request.headers.get("x-request-id"),
+        )
+        return error_response(InternalError("internal server error; see the server log"))

@@ -56,13 +56,16 @@ class SamplingFields(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return words
 
-    def params(self, prompt: str, max_tokens: int | None, cap: int, default: int):
+    def params(
+        self, prompt: str, max_tokens: int | None, cap: int, default: int, request_id: str
+    ) -> GenerateParams:
         max_tokens = max_tokens or default
         if max_tokens > cap:
             raise APIError(
                 f"max_tokens {max_tokens} exceeds this server's cap of {cap}", param="max_tokens"
             )
         return GenerateParams(
+            request_id=request_id,
             prompt=prompt,
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -102,7 +105,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: Literal[False] = False  # not implemented
     top_logprobs: None = None
@@ -110,6 +113,28 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: str | list[str]  # token-id inputs are not supported: a 400 naming `input`
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: None = None  # not supported (the model has one size)
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _texts(cls, value):
+        texts = [value] if isinstance(value, str) else value
+        if not texts or not all(texts):
+            raise ValueError("input holds one or more non-empty strings")
+        return value
+
+    @property
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
 
 
 class GenerateRequest(BaseModel):

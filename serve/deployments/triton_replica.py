@@ -2,42 +2,62 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from serve.config import AppConfig
+from serve.config import ModelConfig
+from serve.metrics import TritonMetricsExporter
+from serve.triton.host import TritonHost
 from serve.triton.requests import GenerateParams, GenerationChunk
 from serve.triton.sidecar import SidecarHost
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve")
 
 
 class TritonReplica:
-    """Plain class; ``serve.deployment`` wraps it in :func:`serve.app.build_app`."""
+    """Plain class; ``serve.deployment`` wraps it in :func:`serve.app.build_app`.
 
-    def __init__(self, config: AppConfig, host=None):
-        self.config = config
-        # The tritonserver in-process API does not load on these hosts (DESIGN.md):
-        # sidecar until the in-process host lands.
-        self.host = (
-            host
-            or SidecarHost(config.triton.repository_path(), config.triton.start_timeout_s).start()
-        )
+    Serve counts the replica ready when ``__init__`` returns, which is after Triton
+    reports every model of the repository ready; a repository that fails to load
+    raises here with Triton's own message, which Serve shows in the deployment's
+    status. On shutdown Serve first drains the replica (up to
+    ``graceful_shutdown_timeout_s``), then ``__del__`` stops Triton.
+    """
+
+    async def __init__(self, model: ModelConfig, host: TritonHost | None = None):
+        self.model = model
+        self.host = host or _sidecar(model)
+        # Starting Triton blocks for seconds to minutes: off the event loop.
+        await asyncio.to_thread(self.host.start)
+        self._metrics = TritonMetricsExporter(self.host.metrics)
+        self._metrics.start()
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerationChunk]:
-        async for chunk in self.host.generate(params):
+        async for chunk in self.host.generate(params, self.model.entry_model()):
             yield chunk
 
     async def check_health(self) -> None:
-        """Serve calls this periodically; raising marks the replica unhealthy."""
-        if not await self.host.is_ready():
-            raise RuntimeError("Triton is not ready (process exited or models not loaded)")
+        """Serve calls this every ``health_check_period_s``; raising marks the replica
+        unhealthy (three failures in a row and Serve replaces it)."""
+        if not await self.host.is_ready(self.model.entry_model()):
+            raise RuntimeError(
+                f"Triton is not ready: the server exited or {self.model.entry_model()} "
+                "is not loaded"
+            )
 
     def __del__(self):
-        # Serve tears a replica down by deleting its actor; Triton must not outlive it.
+        # Serve deletes a replica after draining it; Triton must not outlive it.
+        metrics = getattr(self, "_metrics", None)
+        if metrics is not None:
+            metrics.stop()
         host = getattr(self, "host", None)
         if host is not None:
             try:
                 host.stop()
             except Exception:
                 log.exception("stopping Triton failed")
+
+
+def _sidecar(model: ModelConfig) -> TritonHost:
+    return SidecarHost(model.triton.repository_path(), model.triton.start_timeout_s)

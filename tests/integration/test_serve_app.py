@@ -34,8 +34,8 @@ def app_url(checkpoint_dir, tmp_path_factory):
     config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
     port = free_port()
     config["http_options"]["port"] = port
-    app = config["applications"][0]
-    app["args"]["triton"]["model_repository"] = str(repository)
+    model = config["applications"][0]["args"]["models"][0]
+    model["triton"]["model_repository"] = str(repository)
     (scratch / "config.yaml").write_text(yaml.safe_dump(config))
     log = (scratch / "serve.log").open("w")
     process = subprocess.Popen(

@@ -3,32 +3,48 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from serve.api.chat_template import render_chat_prompt
 from serve.api.errors import APIError
 from serve.api.schemas import ChatCompletionRequest, CompletionRequest
 from serve.config import AppConfig
+from serve.triton import repository
 from serve.triton.host import GenerationError
 from serve.triton.requests import GenerateParams, GenerationChunk, ensemble_inputs, finish_reason
 from serve.triton.sidecar import classify
+from tests.conftest import ROOT
 from tritonllm import contract
 
 
-def test_config_errors_name_the_bad_field():
-    with pytest.raises(ValidationError, match="max_tokens_cap"):
-        AppConfig.model_validate({"max_tokens_cap": 0})
-    with pytest.raises(ValidationError, match="triton.mode"):
-        AppConfig.model_validate({"triton": {"mode": "gpu-magic"}})
-    with pytest.raises(ValidationError, match="model_id"):
-        AppConfig.model_validate({"model_id": "../etc/passwd"})
-    with pytest.raises(ValidationError, match="unknown_key"):
-        AppConfig.model_validate({"unknown_key": 1})
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        ({"models": [{"id": "m", "max_tokens_cap": 0}]}, "models.0.max_tokens_cap"),
+        ({"models": [{"id": "m", "triton": {"mode": "gpu-magic"}}]}, "models.0.triton.mode"),
+        ({"models": [{"id": "../etc/passwd"}]}, "models.0.id"),
+        ({"models": [{"id": "m", "deployment": {"max_ongoing_requests": 0}}]}, "max_ongoing"),
+        ({"models": [{"id": "m", "deployment": {"ray_actor_options": {"gpus": 1}}}]}, "gpus"),
+        ({"models": [{"id": "m"}, {"id": "m"}]}, "unique"),
+        ({"models": [{"id": "e", "task": "embed"}]}, "task: generate"),
+        ({"models": []}, "models"),
+        ({"unknown_key": 1}, "unknown_key"),
+    ],
+)
+def test_config_errors_name_the_bad_field(args, field):
+    with pytest.raises(ValidationError, match=field):
+        AppConfig.model_validate(args)
+
+
+def test_the_shipped_serve_config_validates():
+    config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
+    args = AppConfig.model_validate(config["applications"][0]["args"])
+    assert args.default_model.id == "tritonllm-default"
 
 
 def test_the_tokenizer_comes_from_the_preprocessing_config(built_repository, checkpoint_dir):
-    config = AppConfig.model_validate({"triton": {"model_repository": str(built_repository)}})
-    assert config.tokenizer_dir().resolve() == checkpoint_dir.resolve()
+    assert repository.tokenizer_dir(built_repository).resolve() == checkpoint_dir.resolve()
 
 
 @pytest.mark.parametrize(
@@ -53,10 +69,10 @@ def test_parameters_map_onto_generate_params_with_the_cap():
     request = CompletionRequest.model_validate(
         {"model": "m", "prompt": "x", "stop": "\n", "top_k": 5, "seed": 3, "max_tokens": 7}
     )
-    params = request.params(request.prompt, request.max_tokens, cap=10, default=4)
+    params = request.params(request.prompt, request.max_tokens, cap=10, default=4, request_id="r")
     assert (params.prompt, params.max_tokens, params.stop, params.top_k) == ("x", 7, ("\n",), 5)
     with pytest.raises(APIError, match="cap of 5") as info:
-        request.params(request.prompt, request.max_tokens, cap=5, default=4)
+        request.params(request.prompt, request.max_tokens, cap=5, default=4, request_id="r")
     assert info.value.param == "max_tokens"
 
 

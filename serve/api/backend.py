@@ -1,0 +1,43 @@
+"""What the HTTP routes need from the application, as one small interface.
+
+The ingress deployment implements it over Serve's DeploymentHandles; the route
+tests implement it over a fake (the routes, errors and shapes are what they test).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from serve.config import AppConfig, ModelConfig
+from serve.triton.requests import GenerateParams, GenerationChunk
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    vectors: np.ndarray  # [n, dim] float32, one row per input, in order
+    num_tokens: int  # all inputs together
+
+
+class Backend(Protocol):
+    config: AppConfig
+
+    def chat_prompt(self, model: ModelConfig, messages: list[dict]) -> str:
+        """The messages rendered with the model's chat template (one BOS)."""
+
+    async def start(
+        self, model: ModelConfig, params: GenerateParams
+    ) -> tuple[GenerationChunk, AsyncIterator[GenerationChunk]]:
+        """The first chunk (an error here is still an HTTP status) and the rest.
+        Raises :class:`serve.api.errors.APIError`."""
+
+    async def collect(
+        self, model: ModelConfig, params: GenerateParams
+    ) -> tuple[str, GenerationChunk]:
+        """The whole answer and its last chunk (finish reason, token counts)."""
+
+    async def embed(self, model: ModelConfig, texts: list[str]) -> Embeddings:
+        """One vector per text."""

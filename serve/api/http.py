@@ -1,0 +1,37 @@
+"""The FastAPI application of the front door, built for one backend.
+
+Built per ingress replica (Serve's late-bound ``__serve_build_asgi_app__``), so the
+app holds its backend, limits and keys in ``app.state`` and nothing is a
+module-level singleton; the route tests build one over a fake backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import FastAPI
+
+from serve.api.backend import Backend
+from serve.api.errors import install_handlers
+from serve.api.middleware import BodySizeLimit, RequestRecorder
+from serve.api.routes import router
+
+
+def create_app(
+    backend: Backend,
+    api_keys: frozenset[str] = frozenset(),
+    record_response: Callable | None = None,
+) -> FastAPI:
+    app = FastAPI(
+        title="triton-ray-llm",
+        description="OpenAI-compatible API over Triton Inference Server in Ray Serve replicas",
+    )
+    app.state.backend = backend
+    app.state.max_body_bytes = backend.config.max_body_bytes
+    app.state.api_keys = api_keys
+    app.state.record_response = record_response
+    app.add_middleware(BodySizeLimit)
+    app.add_middleware(RequestRecorder)  # outermost: it sees the 413s too
+    install_handlers(app)
+    app.include_router(router)
+    return app

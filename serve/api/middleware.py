@@ -1,0 +1,105 @@
+"""Pure ASGI middleware of the front door: body size limit, request accounting.
+
+Pure ASGI (not ``@app.middleware("http")``) so that streamed responses pass
+through untouched and a client's disconnect still reaches the route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.api.errors import TooLarge, error_response
+
+_BODY_METHODS = {"POST", "PUT", "PATCH"}
+
+
+class BodySizeLimit:
+    """A body over ``app.state.max_body_bytes`` gets a 413 before any route runs.
+
+    A ``Content-Length`` over the limit is refused at once; a chunked body (no
+    length) is read up to the limit and refused as soon as it passes it. Starlette
+    has no such limit and uvicorn's applies to headers only, hence this class. The
+    body is buffered (at most the limit) and replayed to the app; later ``receive``
+    calls go to the client, so a disconnect still cancels a stream.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = getattr(scope.get("app").state, "max_body_bytes", None) if "app" in scope else None
+        if scope["type"] != "http" or scope["method"] not in _BODY_METHODS or not limit:
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            await _refuse(scope, send, f"request body of {int(length)} bytes exceeds {limit}")
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            body += message.get("body", b"")
+            if len(body) > limit:
+                await _refuse(scope, send, f"request body exceeds {limit} bytes")
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(bytes(body), receive), send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+async def _refuse(scope: Scope, send: Send, message: str) -> None:
+    response = error_response(TooLarge(message))
+    await response(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class RequestRecorder:
+    """Calls ``app.state.record_response(scope, status, seconds)`` once a response's
+    last byte is out or the client left (status 499, as nginx logs it); routes put
+    the request's model in ``request.state.model``."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        record = getattr(scope["app"].state, "record_response", None) if "app" in scope else None
+        if scope["type"] != "http" or record is None:
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        status = 500  # what the client sees if the app fails before answering
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            record(scope, status, time.monotonic() - start)

@@ -1,0 +1,72 @@
+"""OpenAI's response shapes (completions, chat, their stream chunks, usage) and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from serve.api.errors import APIError
+from serve.triton.requests import GenerationChunk
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, _stream: bool) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, streaming: bool) -> dict:
+    body = {"content": text} if streaming else {"role": "assistant", "content": text}
+    key = "delta" if streaming else "message"
+    return {
+        "index": index,
+        key: body if (text or not streaming) else {},
+        "finish_reason": finish_reason,
+    }
+
+
+def usage(lasts: list[GenerationChunk]) -> dict:
+    prompt = sum(last.num_input_tokens for last in lasts)
+    completion = sum(last.num_output_tokens for last in lasts)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+async def merge(starts) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """Interleave several started streams (``(first chunk, rest)`` pairs) as
+    ``(index, chunk)`` in arrival order; every stream is closed when this ends."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, first: GenerationChunk, rest) -> None:
+        try:
+            await queue.put((index, first))
+            async for chunk in rest:
+                await queue.put((index, chunk))
+        except APIError as error:
+            await queue.put((index, error))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, first, rest)) for i, (first, rest) in enumerate(starts)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield index, item
+    finally:  # done, failed or the client left: every replica stream is closed
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _, rest in starts:
+            await rest.aclose()

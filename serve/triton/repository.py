@@ -1,0 +1,59 @@
+"""What the Serve application reads from a built model repository (the configs only).
+
+``build_app`` checks a repository before any replica starts, so a repository that
+was never built fails the deployment at once with the fix, instead of each replica
+starting a Triton that finds nothing to load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from tritonllm import contract
+
+
+class RepositoryError(RuntimeError):
+    pass
+
+
+def read_config(repository: Path, model: str) -> model_config_pb2.ModelConfig:
+    path = repository / model / "config.pbtxt"
+    if not path.is_file():
+        raise RepositoryError(
+            f"{path} is missing: the model repository {repository} is not built; "
+            "run `make engines` (or python -m build_engines --repository ...)"
+        )
+    try:
+        return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    except text_format.ParseError as error:
+        raise RepositoryError(f"{path} is not a valid Triton model config: {error}") from None
+
+
+def check_built(repository: Path, models: tuple[str, ...]) -> None:
+    """Every model's config parses (the weights are Triton's to check, at load)."""
+    if not repository.is_dir():
+        raise RepositoryError(f"model repository {repository} does not exist")
+    for model in models:
+        read_config(repository, model)
+
+
+def _parameter(config: model_config_pb2.ModelConfig, key: str) -> str:
+    return config.parameters[key].string_value if key in config.parameters else ""
+
+
+def tokenizer_dir(repository: Path) -> Path:
+    """The tokenizer the preprocessing model uses (one source of truth for chat templates)."""
+    value = _parameter(read_config(repository, contract.PREPROCESSING), "tokenizer_dir")
+    path = Path(value)
+    return path if path.is_absolute() else repository / path
+
+
+def engine_batch_size(repository: Path) -> int:
+    """Sequences the engine runs at once: the torch engine's and TensorRT-LLM's
+    ``max_batch_size`` parameter, else the model's own ``max_batch_size``."""
+    config = read_config(repository, contract.TENSORRT_LLM)
+    value = _parameter(config, "max_batch_size")
+    return int(value) if value.isdigit() and int(value) > 0 else max(config.max_batch_size, 1)
