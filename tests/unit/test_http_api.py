@@ -1,0 +1,269 @@
+"""The HTTP layer over a fake backend: auth, limits, error objects, OpenAI shapes.
+
+The fake stands in for the replicas (what is under test here is the front door:
+routing, validation, status codes, response shapes); the real stack is tested in
+tests/integration/test_serve_app.py and test_production.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from serve.api.auth import load_api_keys
+from serve.api.backend import Embeddings
+from serve.api.errors import APIError, Overloaded
+from serve.api.http import create_app
+from serve.config import AppConfig
+from serve.triton.requests import GenerationChunk, final_chunk
+
+CONFIG = AppConfig.model_validate(
+    {
+        "models": [
+            {"id": "llm", "max_tokens_cap": 16, "default_max_tokens": 4},
+            {"id": "emb", "task": "embed"},
+        ],
+        "max_body_bytes": 4096,
+        "max_prompt_chars": 1000,
+        "max_messages": 3,
+    }
+)
+
+
+class FakeBackend:
+    """Answers with the prompt's words, one per chunk, up to max_tokens."""
+
+    config = CONFIG
+
+    def __init__(self, fail_after: int | None = None, error: Exception | None = None):
+        self.fail_after = fail_after  # raise `error` after this many chunks
+        self.error = error
+        self.params = []
+
+    def chat_prompt(self, model, messages):
+        return " ".join(m["content"] for m in messages)
+
+    async def _chunks(self, params):
+        self.params.append(params)
+        prompt = params.prompt.split()
+        last = None
+        for i, word in enumerate(prompt[: params.max_tokens]):
+            if self.fail_after is not None and i >= self.fail_after:
+                raise self.error
+            last = GenerationChunk(" " + word, len(prompt), i + 1)
+            yield last
+        yield final_chunk(last, params)
+
+    async def start(self, model, params):
+        stream = self._chunks(params)
+        return await stream.__anext__(), stream
+
+    async def collect(self, model, params):
+        chunks = [c async for c in self._chunks(params)]
+        return "".join(c.text for c in chunks), chunks[-1]
+
+    async def embed(self, model, texts):
+        vectors = np.array([[len(t), 1.5, -2.0] for t in texts], dtype=np.float32)
+        return Embeddings(vectors, sum(len(t.split()) for t in texts))
+
+
+def client(backend=None, keys=frozenset(), record=None) -> TestClient:
+    app = create_app(backend or FakeBackend(), keys, record)
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def error_of(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def test_completions_and_generate_answer_from_the_backend():
+    api = client()
+    body = api.post("/v1/completions", json={"model": "llm", "prompt": "a b c", "max_tokens": 2})
+    assert body.json()["choices"][0]["text"] == " a b"
+    assert body.json()["choices"][0]["finish_reason"] == "length"
+    assert body.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert api.get("/generate", params={"query": "x y"}).json() == {"text": " x y"}
+    assert api.post("/generate", json={"prompt": "x y", "max_new_tokens": 1}).json() == {
+        "text": " x"
+    }
+
+
+def test_streamed_chat_has_role_first_deltas_reason_usage_and_done():
+    api = client()
+    body = {
+        "model": "llm",
+        "messages": [{"role": "user", "content": "one two"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with api.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1]) == " one two"
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 2
+    assert {e["object"] for e in events} == {"chat.completion.chunk"}
+
+
+def test_an_error_mid_stream_ends_with_an_error_event_and_done():
+    api = client(FakeBackend(fail_after=1, error=Overloaded("replica lost")))
+    body = {"model": "llm", "prompt": "a b c", "stream": True}
+    with api.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert json.loads(lines[0][6:])["choices"][0]["text"] == " a"
+    assert json.loads(lines[-2][6:])["error"]["message"] == "replica lost"
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_an_error_before_the_first_chunk_is_the_http_status():
+    api = client(FakeBackend(fail_after=0, error=Overloaded("busy")))
+    response = api.post("/v1/completions", json={"model": "llm", "prompt": "a", "stream": True})
+    assert error_of(response, 503)["message"] == "busy"
+    assert response.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+        ("/v1/completions", {"model": "emb", "prompt": "x"}, 404, "model"),
+        ("/v1/embeddings", {"model": "llm", "input": "x"}, 404, "model"),
+        ("/v1/completions", {"model": "llm", "prompt": "x", "max_tokens": 17}, 400, "max_tokens"),
+        ("/v1/completions", {"model": "llm", "prompt": "x" * 1001}, 400, "prompt"),
+        ("/v1/completions", {"model": "llm", "prompt": "x", "logit_bias": {}}, 400, "logit_bias"),
+        ("/v1/completions", {"model": "llm", "prompt": "x", "stop": ["a"] * 5}, 400, "stop"),
+        ("/v1/chat/completions", {"model": "llm", "messages": []}, 400, "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": "llm", "messages": [{"role": "user", "content": "x"}] * 4},
+            400,
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "llm", "messages": [{"role": "user", "content": "x"}], "tools": []},
+            400,
+            "tools",
+        ),
+        ("/v1/embeddings", {"model": "emb", "input": [1, 2]}, 400, "input"),
+        ("/v1/embeddings", {"model": "emb", "input": ""}, 400, "input"),
+        ("/generate", {"prompt": "x", "max_new_tokens": 0}, 400, "max_new_tokens"),
+    ],
+)
+def test_bad_requests_get_error_objects_naming_the_parameter(path, body, status, param):
+    assert error_of(client().post(path, json=body), status)["param"].startswith(param)
+
+
+def test_routing_errors_are_error_objects_too():
+    api = client()
+    assert error_of(api.get("/v1/nothing"), 404)
+    assert error_of(api.get("/v1/completions"), 405)
+    assert error_of(api.post("/v1/completions", content=b"{not json"), 400)
+
+
+def test_an_unexpected_failure_is_a_500_without_details(caplog):
+    api = client(FakeBackend(fail_after=0, error=RuntimeError("secret internals")))
+    with caplog.at_level(logging.ERROR):
+        response = api.post("/v1/completions", json={"model": "llm", "prompt": "a"})
+    error = error_of(response, 500)
+    assert "secret" not in error["message"] and "secret internals" in caplog.text
+
+
+def test_backend_api_errors_keep_their_status():
+    api = client(FakeBackend(fail_after=0, error=APIError("prompt too long", "prompt")))
+    assert error_of(api.post("/v1/completions", json={"model": "llm", "prompt": "a"}), 400)
+
+
+def test_bodies_over_the_limit_are_413_with_or_without_content_length():
+    api = client()
+    big = json.dumps({"model": "llm", "prompt": "x" * 5000}).encode()
+    assert error_of(api.post("/v1/completions", content=big), 413)
+
+    def chunked(data: bytes):  # a generator body: sent without Content-Length
+        yield from (data[i : i + 512] for i in range(0, len(data), 512))
+
+    response = api.post(
+        "/v1/completions", content=chunked(big), headers={"content-type": "application/json"}
+    )
+    assert "content-length" not in response.request.headers
+    assert error_of(response, 413)
+    small = json.dumps({"model": "llm", "prompt": "a b"}).encode()
+    response = api.post(
+        "/v1/completions", content=chunked(small), headers={"content-type": "application/json"}
+    )
+    assert response.json()["choices"][0]["text"] == " a b"
+
+
+def test_api_keys_guard_every_route(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("TEST_KEYS", "k1, k2")
+    key_file = tmp_path / "keys"
+    key_file.write_text("# ops team\nk3\n")
+    keys = load_api_keys("TEST_KEYS", key_file)
+    assert keys == {"k1", "k2", "k3"}
+    api = client(keys=keys)
+    with caplog.at_level(logging.DEBUG):
+        for path in ("/v1/models", "/generate?query=x"):
+            missing = api.get(path)
+            assert error_of(missing, 401)["code"] == "invalid_api_key"
+            assert missing.headers["www-authenticate"] == "Bearer"
+            assert error_of(api.get(path, headers={"Authorization": "Bearer k9"}), 401)
+            assert api.get(path, headers={"Authorization": "Bearer k3"}).status_code == 200
+    assert "k3" not in caplog.text and "k9" not in caplog.text
+
+
+def test_no_keys_configured_means_an_open_api(monkeypatch):
+    monkeypatch.delenv("TEST_KEYS", raising=False)
+    assert load_api_keys("TEST_KEYS", None) == frozenset()
+    assert client().get("/v1/models").json()["data"][0]["id"] == "llm"
+
+
+def test_embeddings_as_floats_and_base64():
+    api = client()
+    body = {"model": "emb", "input": ["ab", "abcd"]}
+    floats = api.post("/v1/embeddings", json=body).json()
+    assert [d["embedding"] for d in floats["data"]] == [[2, 1.5, -2], [4, 1.5, -2]]
+    assert floats["usage"] == {"prompt_tokens": 2, "total_tokens": 2}
+    encoded = api.post("/v1/embeddings", json={**body, "encoding_format": "base64"}).json()
+    decoded = [
+        np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4").tolist()
+        for d in encoded["data"]
+    ]
+    assert decoded == [d["embedding"] for d in floats["data"]]
+
+
+def test_each_response_is_recorded_with_its_route_template_and_model():
+    seen = []
+    api = client(record=lambda scope, status, s: seen.append((scope, status)))
+    api.get("/v1/models/llm")
+    api.post("/v1/completions", json={"model": "llm", "prompt": "a"})
+    api.post("/v1/completions", json={"model": "llm", "prompt": "a", "max_tokens": 99})
+    routes = [(scope["route"].path, scope["state"].get("model"), status) for scope, status in seen]
+    assert routes == [
+        ("/v1/models/{model_id}", None, 200),
+        ("/v1/completions", "llm", 200),
+        ("/v1/completions", "llm", 400),
+    ]
+
+
+def test_triton_request_ids_are_unique_and_carry_the_http_request_id():
+    backend = FakeBackend()
+    api = client(backend)
+    for _ in range(2):
+        api.post(
+            "/v1/completions",
+            json={"model": "llm", "prompt": ["a", "b"]},
+            headers={"x-request-id": "req-7"},
+        )
+    ids = [p.request_id for p in backend.params]
+    assert len(set(ids)) == 4 and all(i.startswith("req-7.") for i in ids)
