@@ -40,6 +40,20 @@ class ReplicaLost(Overloaded):
     """The replica's Triton died (or the replica did): safe to retry elsewhere."""
 
 
+def _cancel(responses) -> None:
+    """Cancel a handle call the caller abandoned (frees the engine through the replica).
+    ``cancel()`` re-raises the call's own failure (a request refused by backpressure
+    never reached a replica): there is nothing to cancel then."""
+    try:
+        responses.cancel()
+    except Exception as error:
+        log.debug("nothing to cancel: %s", error)
+
+
+def _translate(error: Exception) -> Exception:
+    return as_api_error(error) or error
+
+
 def as_api_error(error: BaseException) -> APIError | None:
     """The client's answer for a failure behind the handle (None: not ours to map)."""
     if isinstance(error, GenerationError):
@@ -123,11 +137,12 @@ class OpenAIIngress:
     ) -> AsyncIterator[GenerationChunk]:
         """The replica's chunks, with errors mapped and the latency figures recorded."""
         handle = self.replicas[model.id].options(stream=True)
-        responses = handle.generate.remote(params)
+        responses = None
         start = last = time.monotonic()
-        first = True
+        first, finished = True, False
         self.metrics.generation_started(model.id)
         try:
+            responses = handle.generate.remote(params)
             async for chunk in responses:
                 now = time.monotonic()
                 if chunk.text:
@@ -136,14 +151,13 @@ class OpenAIIngress:
                 if chunk.finish_reason:
                     self.metrics.tokens(model.id, chunk.num_input_tokens, chunk.num_output_tokens)
                 yield chunk
+            finished = True
         except Exception as error:
-            api_error = as_api_error(error)
-            if api_error is None:
-                raise
-            raise api_error from None
+            raise _translate(error) from None
         finally:
             self.metrics.generation_ended(model.id)
-            responses.cancel()  # a no-op once finished; frees the engine otherwise
+            if responses is not None and not finished:
+                _cancel(responses)
 
     # -- embeddings ----------------------------------------------------------------------
 
@@ -151,8 +165,5 @@ class OpenAIIngress:
         try:
             vectors, num_tokens = await self.replicas[model.id].embed.remote(texts)
         except Exception as error:
-            api_error = as_api_error(error)
-            if api_error is None:
-                raise
-            raise api_error from None
+            raise _translate(error) from None
         return Embeddings(np.asarray(vectors, dtype=np.float32), int(num_tokens))

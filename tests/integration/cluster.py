@@ -1,0 +1,188 @@
+"""A real Ray cluster for the tests: ``ray start --head`` and ``serve deploy``, as a user runs it.
+
+Ray 2.60's ``ray start --head`` turns token authentication on (the token lands in
+``~/.ray/auth_token``), but the ``serve`` CLI only sends it when
+``RAY_AUTH_MODE=token`` is set: the README's cluster commands set it, and so does
+this harness.
+
+Everything the cluster starts carries its own temp dir in its command line, so
+``stop`` ends exactly this cluster's processes (``ray stop`` would end every Ray
+on the machine) and the Triton children follow their replicas (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from serve.triton.launcher import free_port
+from tests.conftest import ROOT
+
+BIN = Path(sys.executable).parent
+
+
+class RayCluster:
+    def __init__(self, num_cpus: int = 4):
+        # Short: Ray's socket paths live under it and must fit in 107 bytes.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+        self.gcs_port = free_port()
+        self.dashboard_port = free_port()
+        self.metrics_port = free_port()
+        self.http_port = free_port()
+        self.num_cpus = num_cpus
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token"}
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self) -> RayCluster:
+        self._ray(
+            "start",
+            "--head",
+            f"--port={self.gcs_port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}",
+            f"--metrics-export-port={self.metrics_port}",
+            f"--num-cpus={self.num_cpus}",
+            f"--temp-dir={self.temp_dir}",
+            f"--ray-client-server-port={free_port()}",
+            "--disable-usage-stats",
+        )
+        return self
+
+    def _ray(self, *args: str) -> None:
+        subprocess.run(
+            [str(BIN / "ray"), *args],
+            check=True,
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            timeout=180,
+        )
+
+    def _auth(self) -> dict[str, str]:
+        path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+        return {"Authorization": f"Bearer {path.read_text().strip()}"}
+
+    def deploy(self, config: dict) -> None:
+        """``serve deploy`` of a Serve config (its HTTP port set to this cluster's)."""
+        config = copy.deepcopy(config)
+        config.setdefault("http_options", {})["port"] = self.http_port
+        path = self.temp_dir / f"serve-{time.monotonic_ns()}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        result = subprocess.run(
+            [str(BIN / "serve"), "deploy", str(path), "--address", self.dashboard],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if result.returncode != 0:
+            raise AssertionError(f"serve deploy failed:\n{result.stdout}\n{result.stderr}")
+
+    def applications(self) -> dict:
+        """Serve's REST view of the applications (status, message, deployments, replicas)."""
+        response = httpx.get(
+            f"{self.dashboard}/api/serve/applications/", headers=self._auth(), timeout=10
+        )
+        response.raise_for_status()
+        return response.json().get("applications", {})
+
+    def deployment(self, app: str, name: str) -> dict:
+        return self.applications()[app]["deployments"][name]
+
+    def running_replicas(self, app: str, name: str) -> list[dict]:
+        replicas = self.deployment(app, name)["replicas"]
+        return [r for r in replicas if r["state"] == "RUNNING"]
+
+    def wait_running(self, app: str = "llm", timeout_s: float = 240) -> dict:
+        """Until the application is RUNNING; raises with Serve's message on failure."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            details = self.applications().get(app)
+            if details and details["status"] == "RUNNING":
+                return details
+            if details and details["status"] == "DEPLOY_FAILED":
+                raise AssertionError(f"{app} failed to deploy: {details['message']}")
+            time.sleep(1)
+        raise AssertionError(f"{app} not running after {timeout_s} s: {self.applications()}")
+
+    def metrics(self) -> str:
+        """This node's Prometheus text (Ray's metrics export port)."""
+        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+
+    def logs_dir(self) -> Path:
+        return self.temp_dir / "session_latest" / "logs"
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            pids = self._pids()
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 15
+            while self._pids() and time.monotonic() < deadline:
+                time.sleep(0.5)
+
+    def _pids(self) -> list[int]:
+        """Processes of this cluster: their command line names its temp dir or GCS port."""
+        marks = (str(self.temp_dir).encode(), f"127.0.0.1:{self.gcs_port}".encode())
+        pids = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if any(mark in cmdline for mark in marks):
+                pids.append(int(proc.name))
+        return pids
+
+
+def serve_config(repository: Path, **model_overrides) -> dict:
+    """The shipped serve/config.yaml over ``repository``, with one model's fields replaced
+    (``deployment`` is merged key by key)."""
+    config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
+    model = config["applications"][0]["args"]["models"][0]
+    model["triton"]["model_repository"] = str(repository)
+    deployment = model_overrides.pop("deployment", {})
+    model.update(model_overrides)
+    model["deployment"].update(deployment)
+    return config
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid``, started from any of its threads (a replica starts
+    its Triton from a worker thread)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return children
+
+
+def process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

@@ -1,0 +1,293 @@
+"""Production behaviour on a real cluster: ``ray start --head``, ``serve deploy``, real Triton.
+
+Each test deploys the shipped serve/config.yaml with the fields under test changed,
+drives it over HTTP and reads Serve's own state (its REST API), Ray's Prometheus
+export and the processes themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.cluster import RayCluster, child_pids, process_name, serve_config
+
+pytestmark = pytest.mark.integration
+MODEL = "tritonllm-default"
+TRITON = f"Triton-{MODEL}"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = RayCluster(num_cpus=4).start()
+    yield cluster
+    cluster.stop()
+
+
+def complete(url: str, timeout_s: float = 60, **body) -> httpx.Response:
+    body = {"model": MODEL, "prompt": "The cat", "max_tokens": 16, **body}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+
+
+def stream_events(url: str, **body) -> list:
+    """A streamed completion's events (dicts, then the string "[DONE]")."""
+    body = {"model": MODEL, "prompt": "The cat", "stream": True, **body}
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    return events
+
+
+def assert_ok_or_retryable(response: httpx.Response) -> None:
+    """Either an answer or a 503 the client can retry: never a 500, never a hang."""
+    if response.status_code == 200:
+        assert response.json()["choices"][0]["text"] is not None
+        return
+    assert response.status_code == 503, response.text
+    assert "retry-after" in response.headers, (response.headers, response.text)
+    assert response.json()["error"]["type"] == "server_error"
+
+
+class Load:
+    """``clients`` threads sending completions until stopped; every outcome is kept."""
+
+    def __init__(self, url: str, clients: int, **body):
+        self.url, self.body = url, body
+        self.results: list = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                response = complete(self.url, **self.body)
+            except httpx.HTTPError as error:  # a timeout here is a failed test
+                response = error
+            self.results.append((time.monotonic(), response))
+            if getattr(response, "status_code", 200) != 200:
+                time.sleep(0.5)  # as a client honouring Retry-After would, roughly
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+    def responses(self, since: float = 0.0) -> list:
+        return [r for t, r in self.results if t >= since]
+
+
+def wait_for(condition, timeout_s: float, what: str, interval_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def triton_pid(replica: dict) -> int:
+    tritons = [p for p in child_pids(replica["pid"]) if process_name(p) == "tritonserver"]
+    assert len(tritons) == 1, tritons
+    return tritons[0]
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """``ip:port`` of the TCP sockets ``pid`` listens on (IPv4, from /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    addresses = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+            ip_hex, port_hex = fields[1].split(":")
+            ip = ".".join(str(int(ip_hex[i : i + 2], 16)) for i in (6, 4, 2, 0))
+            addresses.add(f"{ip}:{int(port_hex, 16)}")
+    return addresses
+
+
+def metric_values(text: str, name: str, **labels) -> list[tuple[dict, float]]:
+    """Samples of ``name`` whose labels include ``labels``."""
+    samples = []
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        body, value = line[len(name) + 1 :].rsplit("} ", 1)
+        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', body))
+        if all(found.get(k) == v for k, v in labels.items()):
+            samples.append((found, float(value)))
+    return samples
+
+
+def test_a_deployed_app_serves_with_request_ids_metrics_and_loopback_triton(
+    cluster, built_repository
+):
+    cluster.deploy(serve_config(built_repository, deployment={"autoscaling_config": None}))
+    details = cluster.wait_running()
+    triton = details["deployments"][TRITON]
+    assert triton["deployment_config"]["graceful_shutdown_timeout_s"] == pytest.approx(
+        512 * 0.2 + 30
+    )
+    response = httpx.post(
+        f"{cluster.url}/v1/completions",
+        json={"model": MODEL, "prompt": "The cat", "max_tokens": 8},
+        headers={"x-request-id": "trace-0042"},
+        timeout=60,
+    )
+    assert response.status_code == 200 and response.headers["x-request-id"] == "trace-0042"
+    assert complete(cluster.url, max_tokens=100000).status_code == 400
+    assert stream_events(cluster.url, max_tokens=4)[-1] == "[DONE]"
+
+    # Triton listens on loopback only.
+    replica = cluster.running_replicas("llm", TRITON)[0]
+    addresses = listening_addresses(triton_pid(replica))
+    assert addresses and all(a.startswith("127.0.0.1:") for a in addresses), addresses
+
+    # The request id is in the ingress's and the replica's logs.
+    logs = cluster.logs_dir() / "serve"
+    logged = [p.name for p in logs.glob("replica_*.log") if "trace-0042" in p.read_text()]
+    assert any("OpenAIIngress" in name for name in logged), logged
+    assert any(TRITON in name for name in logged), logged
+
+    counted = (
+        "ray_tritonllm_time_to_first_token_seconds_count",
+        "ray_tritonllm_inter_token_latency_seconds_count",
+        "ray_tritonllm_e2e_latency_seconds_count",
+        "ray_tritonllm_generated_tokens_total",
+        "ray_tritonllm_prompt_tokens_total",
+        "ray_triton_tritonllm_engine_generated_tokens_total",
+    )
+
+    def exported():  # Ray exports every few seconds, the replica scrapes Triton every 5
+        text = cluster.metrics()
+        ok = metric_values(text, "ray_tritonllm_requests_total", model=MODEL, status="200")
+        bad = metric_values(text, "ray_tritonllm_requests_total", model=MODEL, status="400")
+        counts = [sum(v for _, v in metric_values(text, name)) for name in counted]
+        return ok and bad and all(counts) and text
+
+    text = wait_for(exported, 60, "request, latency, token and Triton metrics exported")
+    (labels, _), *_ = metric_values(
+        text, "ray_triton_nv_inference_request_success_total", model="ensemble"
+    )
+    assert labels["replica"] == replica["replica_id"] and labels["deployment"] == TRITON
+
+
+def test_past_the_queue_bound_clients_get_503_with_retry_after(cluster, built_repository):
+    cluster.deploy(
+        serve_config(
+            built_repository,
+            deployment={
+                "autoscaling_config": None,
+                "num_replicas": 1,
+                "max_ongoing_requests": 2,
+                "max_queued_requests": 2,
+            },
+        )
+    )
+    cluster.wait_running()
+    with ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(lambda _: complete(cluster.url, max_tokens=48), range(16)))
+    statuses = [r.status_code for r in responses]
+    for response in responses:
+        assert_ok_or_retryable(response)
+    # Serve may refuse a little early under a burst (its router's own note on
+    # max_queued_requests), so the counts are bounds, not exact figures.
+    assert statuses.count(503) > 0 and statuses.count(200) >= 2, statuses
+    assert complete(cluster.url).status_code == 200
+
+
+def test_load_scales_out_to_a_second_replica_and_back(cluster, built_repository):
+    scaling = {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "target_ongoing_requests": 2,
+        "upscale_delay_s": 1,
+        "downscale_delay_s": 3,
+        "look_back_period_s": 2,
+    }
+    cluster.deploy(serve_config(built_repository, deployment={"autoscaling_config": scaling}))
+    cluster.wait_running()
+    assert len(cluster.running_replicas("llm", TRITON)) == 1
+    with Load(cluster.url, clients=8, max_tokens=64):
+        replicas = wait_for(
+            lambda: (
+                len(cluster.running_replicas("llm", TRITON)) == 2
+                and cluster.running_replicas("llm", TRITON)
+            ),
+            180,
+            "a second replica under load",
+        )
+
+        def both_served():
+            text = cluster.metrics()
+            served = metric_values(
+                text, "ray_triton_nv_inference_request_success_total", model="ensemble"
+            )
+            return {labels["replica"] for labels, value in served if value > 0}
+
+        ids = {r["replica_id"] for r in replicas}
+        wait_for(lambda: ids <= both_served(), 90, "both replicas answered requests")
+    wait_for(lambda: len(cluster.running_replicas("llm", TRITON)) == 1, 180, "back to one replica")
+
+
+@pytest.mark.parametrize("replicas", [2, 1])
+def test_a_killed_triton_is_replaced_and_nothing_hangs(cluster, built_repository, replicas):
+    cluster.deploy(
+        serve_config(
+            built_repository,
+            deployment={
+                "autoscaling_config": None,
+                "num_replicas": replicas,
+                "health_check_period_s": 1,
+                "health_check_timeout_s": 10,
+            },
+        )
+    )
+    cluster.wait_running()
+    victim = cluster.running_replicas("llm", TRITON)[0]
+    with ThreadPoolExecutor(1) as pool, Load(cluster.url, clients=3, max_tokens=24) as load:
+        long_stream = None
+        if replicas == 1:
+            long_stream = pool.submit(stream_events, cluster.url, max_tokens=400, min_tokens=400)
+        time.sleep(3)
+        os.kill(triton_pid(victim), signal.SIGKILL)
+        killed_at = time.monotonic()
+
+        def replaced():
+            running = cluster.running_replicas("llm", TRITON)
+            ids = {r["replica_id"] for r in running}
+            return len(running) == replicas and victim["replica_id"] not in ids
+
+        wait_for(replaced, 120, "the replica replaced")
+        recovered_at = time.monotonic()
+        time.sleep(5)
+    outcomes = load.responses()
+    assert not [r for r in outcomes if isinstance(r, Exception)], "a request failed or hung"
+    for response in outcomes:
+        assert_ok_or_retryable(response)
+    after = [r.status_code for r in load.responses(since=recovered_at + 2)]
+    assert after and set(after) == {200}, after
+    assert recovered_at - killed_at < 120
+    if long_stream is not None:  # its replica's Triton died mid-answer
+        events = long_stream.result(timeout=120)
+        assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
