@@ -12,6 +12,7 @@ TARGET      ?= auto
 MODEL       ?=
 BENCH       ?=
 FORCE       ?=
+TRTLLM_CONFIG ?=
 REPO        ?= model_repository
 TRITON_HTTP_PORT    ?= 8010
 TRITON_GRPC_PORT    ?= 8011
@@ -32,7 +33,8 @@ $(VENV)/.installed: pyproject.toml
 
 engines: venv
 	$(PY) -m build_engines --target $(TARGET) --repository $(REPO) \
-		$(if $(MODEL),--model '$(MODEL)') $(if $(BENCH),--size bench) $(if $(FORCE),--force)
+		$(if $(MODEL),--model '$(MODEL)') $(if $(BENCH),--size bench) $(if $(FORCE),--force) \
+		$(if $(TRTLLM_CONFIG),--trtllm-config '$(TRTLLM_CONFIG)')
 
 # The whole stack on 127.0.0.1:8000: Ray Serve, one Triton per replica, the OpenAI API.
 # Ctrl-C stops Serve, Ray and the Triton children.
