@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from serve.config import AppConfig
 from serve.triton.requests import GenerateParams, GenerationChunk
-from serve.triton.sidecar import SidecarHost
+from serve.triton.select import choose_host
 
 log = logging.getLogger(__name__)
 
@@ -17,12 +17,7 @@ class TritonReplica:
 
     def __init__(self, config: AppConfig, host=None):
         self.config = config
-        # The tritonserver in-process API does not load on these hosts (DESIGN.md):
-        # sidecar until the in-process host lands.
-        self.host = (
-            host
-            or SidecarHost(config.triton.repository_path(), config.triton.start_timeout_s).start()
-        )
+        self.host = host or choose_host(config.triton).start()
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerationChunk]:
         async for chunk in self.host.generate(params):
