@@ -2,7 +2,15 @@
 # and filled on first use, and again whenever pyproject.toml changes.
 PYTHON      ?= python3
 VENV        ?= .venv
+# NO_VENV=1: the project is installed in this Python already (the docker images).
+NO_VENV     ?=
+ifeq ($(NO_VENV),1)
+PY          := $(PYTHON)
+SERVE       := serve
+else
 PY          := $(VENV)/bin/python
+SERVE       := $(VENV)/bin/serve
+endif
 # The CPU build of torch by default; GPU hosts outside the NGC image set their own,
 # e.g. make TORCH_SPEC='torch==2.9.1' engines
 TORCH_SPEC  ?= torch==2.13.0
@@ -22,7 +30,11 @@ BENCH_ARGS  ?=
 
 .PHONY: venv engines run triton test test-unit lint bench-engine clean-engines clean
 
+ifeq ($(NO_VENV),1)
+venv:
+else
 venv: $(VENV)/.installed
+endif
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,7 +55,7 @@ run: engines
 	@echo '  curl "127.0.0.1:8000/generate?query=The%20cat"'
 	@echo '  curl 127.0.0.1:8000/v1/chat/completions -H "content-type: application/json" \'
 	@echo '    -d '"'"'{"model": "tritonllm-default", "messages": [{"role": "user", "content": "Where is the cat?"}]}'"'"
-	$(VENV)/bin/serve run serve/config.yaml
+	$(SERVE) run serve/config.yaml
 
 triton: venv
 	$(PY) -m serve.triton.launcher --model-repository $(REPO) \
