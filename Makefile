@@ -27,8 +27,9 @@ TRITON_GRPC_PORT    ?= 8011
 TRITON_METRICS_PORT ?= 8012
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
+SMOKE_ARGS  ?=
 
-.PHONY: venv engines run triton test test-unit lint bench-engine clean-engines clean
+.PHONY: venv engines run triton test test-unit lint bench-engine gpu-smoke clean-engines clean
 
 ifeq ($(NO_VENV),1)
 venv:
@@ -72,6 +73,11 @@ test-unit: venv
 # model (built into build/bench-engine, not model_repository). Figures, not a test.
 bench-engine: venv
 	$(PY) -m bench.engine $(BENCH_ARGS)
+
+# On a GPU box (the GPU image): torch engine on CUDA, in-process host, a tiny
+# TensorRT-LLM engine; prints a table (scripts/gpu_smoke.sh).
+gpu-smoke: venv
+	scripts/gpu_smoke.sh $(SMOKE_ARGS)
 
 lint: venv
 	$(PY) -m ruff check .
