@@ -170,3 +170,8 @@ def test_no_dockerfile_uses_a_floating_tag():
             if command.cmd == "FROM":
                 image = command.value[0]
                 assert ":" in image and not image.endswith(":latest"), (path.name, image)
+
+
+def test_the_docs_name_the_image_the_dockerfile_uses():
+    for doc in (ROOT / "README.md", DOCKER / "README.md"):
+        assert GPU_BASE in doc.read_text(), doc
