@@ -101,6 +101,11 @@ class TrtllmTarget:
         start = time.monotonic()
         settings = load_settings(spec)
         checkpoint = validate_checkpoint(spec.model) if spec.model else repo.default_checkpoint_dir
+        if spec.model and checkpoint.is_relative_to(repo.engine_version_dir):
+            raise ValueError(
+                f"MODEL={checkpoint} lies among the files a build replaces "
+                f"({repo.engine_version_dir}): copy the checkpoint elsewhere first"
+            )
         fingerprint = self._fingerprint(spec, settings)
         stale = self.stale_reason(repo, fingerprint, settings)
         skipped = stale is None and not spec.force

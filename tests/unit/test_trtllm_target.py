@@ -304,6 +304,17 @@ def test_build_skips_a_current_engine_and_rebuilds_on_change(repo, checkpoint_di
     assert builds(overrides={"max_batch_size": 16}) == 1
 
 
+def test_a_checkpoint_inside_the_engine_folder_is_refused(repo, checkpoint_dir):
+    import shutil
+
+    inside = repo.engine_version_dir / "my_model"
+    shutil.copytree(checkpoint_dir, inside)
+    target = TrtllmTarget(run=FakeTrtllmBuild(), version=lambda: "1.2.1")
+    with pytest.raises(ValueError, match="copy the checkpoint elsewhere"):
+        target.build(BuildSpec(model=inside), repo, Quiet())
+    assert (inside / "config.json").is_file()  # nothing was cleaned
+
+
 def test_unavailable_here_names_the_image():
     reason = TrtllmTarget().unavailable_reason()
     assert reason is not None and "nvcr.io/nvidia/tritonserver" in reason
