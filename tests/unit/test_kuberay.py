@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from serve.deploy_config import deploy_config, load_base
 from tests.conftest import ROOT
-from tests.unit.test_docker import REPOSITORY_MOUNT, compose
+from tests.unit.test_docker import REPOSITORY_MOUNT, compose, image_ray_version
 
 MANIFEST = ROOT / "docker" / "kuberay" / "rayservice.yaml"
 
@@ -31,7 +29,7 @@ def test_serve_config_v2_is_serve_config_yaml_for_a_gpu_cluster(docs):
 
 def test_cluster_runs_the_gpu_image_and_the_tested_ray(docs):
     cluster = docs["RayService"]["spec"]["rayClusterConfig"]
-    assert cluster["rayVersion"] == importlib.metadata.version("ray")
+    assert cluster["rayVersion"] == image_ray_version()
     head = cluster["headGroupSpec"]
     workers = cluster["workerGroupSpecs"]
     image = compose()["services"]["ray-head"]["image"]
