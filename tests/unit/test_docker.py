@@ -18,7 +18,8 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from serve.deploy_config import deploy_config, load_base, main
+from serve.config import AppConfig
+from serve.deploy_config import deploy_config, load_base, main, triton_actor_options
 from tests.conftest import ROOT
 
 DOCKER = ROOT / "docker"
@@ -114,6 +115,7 @@ def test_the_deployed_serve_config_is_valid_for_serve(tmp_path, source, gpus):
     assert main(args) == 0
     config = yaml.safe_load((tmp_path / "serve.yaml").read_text())
     ServeDeploySchema.model_validate(config)  # Ray's own schema of `serve deploy` files
+    AppConfig.model_validate(config["applications"][0]["args"])  # and the app's own
     assert config["http_options"]["host"] == "0.0.0.0" and config["http_options"]["port"] == 8000
     actor = config["applications"][0]["args"]["replica_options"]["ray_actor_options"]
     assert actor.get("num_gpus") == gpus
@@ -131,6 +133,30 @@ def test_deploy_config_changes_only_what_a_container_needs():
     assert (
         args["max_ongoing_requests"]
         == base["applications"][0]["args"]["replica_options"]["max_ongoing_requests"]
+    )
+
+
+def test_deploy_config_reserves_gpus_for_every_served_model():
+    # AppConfig with one Serve deployment of Triton replicas per model.
+    base = {
+        "applications": [
+            {
+                "name": "llm",
+                "import_path": "serve.app:build_app",
+                "args": {
+                    "models": [
+                        {"id": "a", "deployment": {"ray_actor_options": {"num_cpus": 2}}},
+                        {"id": "b"},
+                    ]
+                },
+            }
+        ]
+    }
+    args = deploy_config(base, gpus_per_replica=1)["applications"][0]["args"]
+    assert triton_actor_options(args) == [{"num_cpus": 2, "num_gpus": 1}, {"num_gpus": 1}]
+    assert (
+        "num_gpus"
+        not in base["applications"][0]["args"]["models"][0]["deployment"]["ray_actor_options"]
     )
 
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from serve.deploy_config import deploy_config, load_base
+from serve.deploy_config import deploy_config, load_base, update_rayservice
 from tests.conftest import ROOT
 from tests.unit.test_docker import REPOSITORY_MOUNT, compose, image_ray_version
 
@@ -21,10 +21,23 @@ def docs() -> dict:
 def test_serve_config_v2_is_serve_config_yaml_for_a_gpu_cluster(docs):
     served = yaml.safe_load(docs["RayService"]["spec"]["serveConfigV2"])
     assert served == deploy_config(load_base(), gpus_per_replica=1), (
-        "serveConfigV2 drifted from serve/config.yaml: paste "
-        "`python -m serve.deploy_config --gpus-per-replica 1` into it"
+        "serveConfigV2 drifted from serve/config.yaml: "
+        "run `python -m serve.deploy_config --update-rayservice`"
     )
     ServeDeploySchema.model_validate(served)
+
+
+def test_update_rewrites_only_the_serve_config(tmp_path):
+    manifest = tmp_path / "rayservice.yaml"
+    manifest.write_text(MANIFEST.read_text())
+    assert not update_rayservice(manifest, deploy_config(load_base(), 1))  # current
+    two_gpus = deploy_config(load_base(), 2)
+    assert update_rayservice(manifest, two_gpus)
+    before = list(yaml.safe_load_all(MANIFEST.read_text()))
+    after = list(yaml.safe_load_all(manifest.read_text()))
+    assert yaml.safe_load(after[1]["spec"].pop("serveConfigV2")) == two_gpus
+    before[1]["spec"].pop("serveConfigV2")
+    assert after == before
 
 
 def test_cluster_runs_the_gpu_image_and_the_tested_ray(docs):
