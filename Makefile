@@ -2,7 +2,15 @@
 # and filled on first use, and again whenever pyproject.toml changes.
 PYTHON      ?= python3
 VENV        ?= .venv
+# NO_VENV=1: the project is installed in this Python already (the docker images).
+NO_VENV     ?=
+ifeq ($(NO_VENV),1)
+PY          := $(PYTHON)
+SERVE       := serve
+else
 PY          := $(VENV)/bin/python
+SERVE       := $(VENV)/bin/serve
+endif
 # The CPU build of torch by default; GPU hosts outside the NGC image set their own,
 # e.g. make TORCH_SPEC='torch==2.9.1' engines
 TORCH_SPEC  ?= torch==2.13.0
@@ -12,16 +20,22 @@ TARGET      ?= auto
 MODEL       ?=
 BENCH       ?=
 FORCE       ?=
+TRTLLM_CONFIG ?=
 REPO        ?= model_repository
 TRITON_HTTP_PORT    ?= 8010
 TRITON_GRPC_PORT    ?= 8011
 TRITON_METRICS_PORT ?= 8012
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
+SMOKE_ARGS  ?=
 
-.PHONY: venv engines run triton test test-unit lint bench-engine clean-engines clean
+.PHONY: venv engines run triton test test-unit lint bench-engine gpu-smoke clean-engines clean
 
+ifeq ($(NO_VENV),1)
+venv:
+else
 venv: $(VENV)/.installed
+endif
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,7 +46,8 @@ $(VENV)/.installed: pyproject.toml
 
 engines: venv
 	$(PY) -m build_engines --target $(TARGET) --repository $(REPO) \
-		$(if $(MODEL),--model '$(MODEL)') $(if $(BENCH),--size bench) $(if $(FORCE),--force)
+		$(if $(MODEL),--model '$(MODEL)') $(if $(BENCH),--size bench) $(if $(FORCE),--force) \
+		$(if $(TRTLLM_CONFIG),--trtllm-config '$(TRTLLM_CONFIG)')
 
 # The whole stack on 127.0.0.1:8000: Ray Serve, one Triton per replica, the OpenAI API.
 # Ctrl-C stops Serve, Ray and the Triton children.
@@ -41,7 +56,7 @@ run: engines
 	@echo '  curl "127.0.0.1:8000/generate?query=The%20cat"'
 	@echo '  curl 127.0.0.1:8000/v1/chat/completions -H "content-type: application/json" \'
 	@echo '    -d '"'"'{"model": "tritonllm-default", "messages": [{"role": "user", "content": "Where is the cat?"}]}'"'"
-	$(VENV)/bin/serve run serve/config.yaml
+	$(SERVE) run serve/config.yaml
 
 triton: venv
 	$(PY) -m serve.triton.launcher --model-repository $(REPO) \
@@ -58,6 +73,11 @@ test-unit: venv
 # model (built into build/bench-engine, not model_repository). Figures, not a test.
 bench-engine: venv
 	$(PY) -m bench.engine $(BENCH_ARGS)
+
+# On a GPU box (the GPU image): torch engine on CUDA, in-process host, a tiny
+# TensorRT-LLM engine; prints a table (scripts/gpu_smoke.sh).
+gpu-smoke: venv
+	scripts/gpu_smoke.sh $(SMOKE_ARGS)
 
 lint: venv
 	$(PY) -m ruff check .

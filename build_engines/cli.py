@@ -10,6 +10,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from build_engines.repository import ModelRepository
 from build_engines.targets import TARGETS, BuildSpec, EngineOptions, choose_target
 
 console = Console(stderr=True, soft_wrap=True)
+_OPTION_FIELDS = {f.name for f in dataclasses.fields(EngineOptions)}
 
 
 class RichReporter:
@@ -84,39 +86,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
     p.add_argument("--clean", action="store_true", help="remove everything a build wrote")
+    # Engine options default to None so a build can tell what was given: the torch
+    # target fills the rest from EngineOptions, the trtllm target from its config file.
     defaults = EngineOptions()
+    for flag, kind, text in (
+        ("--max-batch-size", int, "sequences the engine runs at once"),
+        ("--max-queue-size", int, "queued requests before the engine answers busy"),
+        ("--max-num-tokens", int, "tokens per engine step (longer prompts are rejected)"),
+        ("--max-seq-len", int, "cap on prompt + output tokens (0: the model's context)"),
+        ("--num-threads", int, "torch engine threads (0: all cores prefill, all but one decode)"),
+        ("--device", str, "torch engine: auto | cpu | cuda[:N]"),
+        ("--dtype", str, "auto | float32 | float16 | bfloat16"),
+    ):
+        field = flag[2:].replace("-", "_")
+        default = getattr(defaults, field)
+        p.add_argument(flag, type=kind, default=None, help=f"{text} (default {default})")
     p.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=defaults.max_batch_size,
-        help="sequences the engine runs at once",
+        "--trtllm-config",
+        type=Path,
+        default=None,
+        help="trtllm target: its settings file (default build_engines/trtllm.yaml)",
     )
-    p.add_argument(
-        "--max-queue-size",
-        type=int,
-        default=defaults.max_queue_size,
-        help="queued requests before the engine answers busy",
-    )
-    p.add_argument(
-        "--max-num-tokens",
-        type=int,
-        default=defaults.max_num_tokens,
-        help="prefill + decode tokens per engine step (longer prompts are rejected)",
-    )
-    p.add_argument(
-        "--max-seq-len",
-        type=int,
-        default=defaults.max_seq_len,
-        help="cap on prompt + output tokens (0: the model's context)",
-    )
-    p.add_argument(
-        "--num-threads",
-        type=int,
-        default=defaults.num_threads,
-        help="torch threads of the engine (0: all cores for prefill, all but one for decode)",
-    )
-    p.add_argument("--device", default=defaults.device, help="auto | cpu | cuda[:N]")
-    p.add_argument("--dtype", default=defaults.dtype, help="auto | float32 | float16 | bfloat16")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -135,16 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         reason = target.unavailable_reason()
         if reason:
             raise RuntimeError(f"target {target.name} cannot build here: {reason}")
-        options = EngineOptions(
-            max_batch_size=args.max_batch_size,
-            max_queue_size=args.max_queue_size,
-            max_num_tokens=args.max_num_tokens,
-            num_threads=args.num_threads,
-            max_seq_len=args.max_seq_len,
-            device=args.device,
-            dtype=args.dtype,
+        overrides = {k: v for k, v in vars(args).items() if k in _OPTION_FIELDS and v is not None}
+        spec = BuildSpec(
+            model=args.model,
+            size=args.size,
+            options=EngineOptions(**overrides),
+            force=args.force,
+            trtllm_config=args.trtllm_config,
+            overrides=overrides,
         )
-        spec = BuildSpec(model=args.model, size=args.size, options=options, force=args.force)
         report = target.build(spec, repo, RichReporter())
     except (OSError, ValueError, RuntimeError) as exc:
         console.print(f"[bold red]error:[/] {exc}")

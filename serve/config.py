@@ -31,9 +31,10 @@ class TritonConfig(_Strict):
         Path("model_repository"),
         description="the built model repository (make engines); relative to the project root",
     )
-    mode: Literal["auto", "sidecar"] = Field(
+    mode: Literal["auto", "in_process", "sidecar"] = Field(
         "auto",
-        description="auto: in-process where the tritonserver API loads (not yet), else sidecar",
+        description="auto: in-process where the tritonserver API loads, else sidecar; "
+        "in_process or sidecar force one (serve/triton/select.py)",
     )
     start_timeout_s: float = Field(300.0, gt=0, description="how long Triton may take to load")
 

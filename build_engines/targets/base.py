@@ -30,6 +30,8 @@ class BuildSpec:
     size: str = "tiny"  # default model size: tiny | bench
     options: EngineOptions = field(default_factory=EngineOptions)
     force: bool = False
+    trtllm_config: Path | None = None  # trtllm target: its settings file (None: the default)
+    overrides: dict = field(default_factory=dict)  # options given explicitly on the command line
 
 
 @dataclass(frozen=True)

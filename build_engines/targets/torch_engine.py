@@ -53,7 +53,7 @@ def validate_checkpoint(model_dir: Path) -> Path:
     return model_dir
 
 
-def _source_digest() -> str:
+def source_digest() -> str:
     """Changes to the default model's code rebuild it."""
     digest = hashlib.sha256()
     for module in (default_model, default_model.corpus):
@@ -76,7 +76,7 @@ class TorchTarget:
         model = (
             {"checkpoint": str(spec.model.expanduser().resolve())}
             if spec.model
-            else {"default": default_model.describe(spec.size), "source": _source_digest()}
+            else {"default": default_model.describe(spec.size), "source": source_digest()}
         )
         return {"target": self.name, "model": model, "options": asdict(spec.options)}
 

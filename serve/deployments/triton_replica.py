@@ -10,7 +10,7 @@ from serve.config import ModelConfig
 from serve.metrics import TritonMetricsExporter
 from serve.triton.host import TritonHost
 from serve.triton.requests import GenerateParams, GenerationChunk
-from serve.triton.sidecar import SidecarHost
+from serve.triton.select import choose_host
 
 log = logging.getLogger("ray.serve")
 
@@ -27,7 +27,7 @@ class TritonReplica:
 
     async def __init__(self, model: ModelConfig, host: TritonHost | None = None):
         self.model = model
-        self.host = host or _sidecar(model)
+        self.host = host or choose_host(model.triton)
         # Starting Triton blocks for seconds to minutes: off the event loop.
         await asyncio.to_thread(self.host.start)
         self._metrics = TritonMetricsExporter(self.host.metrics)
@@ -57,7 +57,3 @@ class TritonReplica:
                 host.stop()
             except Exception:
                 log.exception("stopping Triton failed")
-
-
-def _sidecar(model: ModelConfig) -> TritonHost:
-    return SidecarHost(model.triton.repository_path(), model.triton.start_timeout_s)

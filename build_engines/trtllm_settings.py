@@ -1,0 +1,270 @@
+"""The trtllm target's one config and the commands built from it.
+
+Flags and values are those TensorRT-LLM 1.2 documents for ``trtllm-build``
+(``tensorrt_llm/commands/build.py`` and ``add_plugin_argument`` in
+``tensorrt_llm/plugin/plugin.py``: plugins take a dtype, ``auto`` or ``disable``;
+features take ``enable``/``disable``; ``--kv_cache_type paged`` replaces the
+deprecated ``--paged_kv_cache``). Tensor/pipeline parallelism is fixed at checkpoint
+conversion (the checkpoint's ``mapping``), not by ``trtllm-build``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).with_name("trtllm.yaml")
+
+# Build settings: a change means a new engine. The rest only refill config.pbtxt.
+BUILD_FIELDS = (
+    "dtype",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "max_batch_size",
+    "max_input_len",
+    "max_seq_len",
+    "max_num_tokens",
+    "max_beam_width",
+    "kv_cache_type",
+    "remove_input_padding",
+    "context_fmha",
+    "gemm_plugin",
+    "gpt_attention_plugin",
+)
+# The engine options of ``python -m build_engines`` that override the file.
+CLI_OVERRIDES = ("max_batch_size", "max_queue_size", "max_num_tokens", "max_seq_len", "dtype")
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+PLUGIN_DTYPES = ("auto", "float16", "bfloat16", "float32", "disable")
+SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrtllmSettings:
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    max_batch_size: int = 64
+    max_input_len: int = 2048
+    max_seq_len: int = 4096
+    max_num_tokens: int = 8192
+    max_beam_width: int = 1
+    kv_cache_type: str = "paged"
+    remove_input_padding: bool = True
+    context_fmha: bool = True
+    gemm_plugin: str = "auto"
+    gpt_attention_plugin: str = "auto"
+    triton_max_batch_size: int = 0  # 0: the engine's max_batch_size
+    max_queue_size: int = 256
+    max_queue_delay_microseconds: int = 100
+    kv_cache_free_gpu_mem_fraction: float = 0.85
+    batch_scheduler_policy: str = "guaranteed_no_evict"
+    enable_kv_cache_reuse: bool = False
+    enable_chunked_context: bool = False
+    exclude_input_in_output: bool = False
+
+    @classmethod
+    def load(cls, path: Path | None = None, overrides: dict | None = None) -> TrtllmSettings:
+        """The YAML file (default ``build_engines/trtllm.yaml``), then ``overrides``."""
+        import yaml
+
+        path = Path(path or DEFAULT_CONFIG)
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError:
+            raise SettingsError(f"trtllm config {path} does not exist") from None
+        if not isinstance(values, dict):
+            raise SettingsError(f"{path}: expected a mapping of settings")
+        return cls.from_dict({**values, **(overrides or {})}, source=str(path))
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "trtllm settings") -> TrtllmSettings:
+        known = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise SettingsError(f"{source}: unknown setting(s) {', '.join(unknown)}")
+        for name, value in values.items():
+            if not _is_type(value, known[name]):
+                raise SettingsError(f"{source}: {name} must be a {known[name]}, not {value!r}")
+        settings = cls(**values)
+        settings.validate(source)
+        return settings
+
+    def validate(self, source: str = "trtllm settings") -> None:
+        for problem in self._problems():
+            raise SettingsError(f"{source}: {problem}")
+
+    def _problems(self):  # noqa: C901 - one flat list of independent checks
+        if self.dtype not in DTYPES:
+            yield f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}"
+        for name in ("gemm_plugin", "gpt_attention_plugin"):
+            if getattr(self, name) not in PLUGIN_DTYPES:
+                yield f"{name} must be one of {', '.join(PLUGIN_DTYPES)}"
+        # The tensorrtllm backend's inflight_fused_batching runs only engines built
+        # with packed inputs, the paged KV cache and the attention plugin.
+        if self.kv_cache_type != "paged":
+            yield "kv_cache_type must be paged (in-flight batching needs the paged KV cache)"
+        if not self.remove_input_padding:
+            yield "remove_input_padding must be true (in-flight batching packs the inputs)"
+        if self.gpt_attention_plugin == "disable":
+            yield "gpt_attention_plugin cannot be disable (in-flight batching needs it)"
+        if min(self.tensor_parallel_size, self.pipeline_parallel_size, self.max_beam_width) < 1:
+            yield "tensor/pipeline parallel sizes and max_beam_width must be >= 1"
+        if self.max_seq_len and self.max_input_len >= self.max_seq_len:
+            yield (
+                f"max_input_len ({self.max_input_len}) must be below max_seq_len "
+                f"({self.max_seq_len}): the rest is room for the output"
+            )
+        if self.max_num_tokens < self.max_input_len and not self.enable_chunked_context:
+            yield (
+                f"max_num_tokens ({self.max_num_tokens}) < max_input_len ({self.max_input_len}): "
+                "a long prompt could never be scheduled; raise it or enable_chunked_context"
+            )
+        if self.max_batch_size < 1 or not 0 <= self.triton_max_batch_size <= self.max_batch_size:
+            yield (
+                f"triton_max_batch_size ({self.triton_max_batch_size}) must be at most the "
+                f"engine's max_batch_size ({self.max_batch_size}, itself >= 1)"
+            )
+        if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
+            yield "kv_cache_free_gpu_mem_fraction must be in (0, 1]"
+        if self.batch_scheduler_policy not in SCHEDULER_POLICIES:
+            yield f"batch_scheduler_policy must be one of {', '.join(SCHEDULER_POLICIES)}"
+        if self.max_queue_size < 0 or self.max_queue_delay_microseconds < 0:
+            yield "max_queue_size and max_queue_delay_microseconds must be >= 0"
+
+    @property
+    def triton_batch(self) -> int:
+        """Triton's max_batch_size for every model of the repository."""
+        return self.triton_max_batch_size or self.max_batch_size
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def build_settings(self) -> dict:
+        return {name: getattr(self, name) for name in BUILD_FIELDS}
+
+
+def _is_type(value, type_name: str) -> bool:
+    """YAML values against the field types (``from __future__`` makes them strings)."""
+    if type_name == "bool":
+        return isinstance(value, bool)
+    if type_name == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if type_name == "float":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def _switch(on: bool) -> str:
+    return "enable" if on else "disable"
+
+
+def convert_command(settings: TrtllmSettings, model_dir: Path, checkpoint_dir: Path) -> list[str]:
+    """HF checkpoint -> TensorRT-LLM checkpoint (``build_engines.trtllm_convert``)."""
+    return [
+        sys.executable,
+        "-m",
+        "build_engines.trtllm_convert",
+        "--model_dir",
+        str(model_dir),
+        "--output_dir",
+        str(checkpoint_dir),
+        "--dtype",
+        settings.dtype,
+        "--tp_size",
+        str(settings.tensor_parallel_size),
+        "--pp_size",
+        str(settings.pipeline_parallel_size),
+    ]
+
+
+def build_command(settings: TrtllmSettings, checkpoint_dir: Path, engine_dir: Path) -> list[str]:
+    """``trtllm-build`` for the tensorrtllm backend's in-flight batching."""
+    command = [
+        "trtllm-build",
+        "--checkpoint_dir",
+        str(checkpoint_dir),
+        "--output_dir",
+        str(engine_dir),
+        "--max_batch_size",
+        str(settings.max_batch_size),
+        "--max_input_len",
+        str(settings.max_input_len),
+        "--max_num_tokens",
+        str(settings.max_num_tokens),
+        "--max_beam_width",
+        str(settings.max_beam_width),
+        "--kv_cache_type",
+        settings.kv_cache_type,
+        "--remove_input_padding",
+        _switch(settings.remove_input_padding),
+        "--context_fmha",
+        _switch(settings.context_fmha),
+        "--gemm_plugin",
+        settings.gemm_plugin,
+        "--gpt_attention_plugin",
+        settings.gpt_attention_plugin,
+    ]
+    if settings.max_seq_len:  # else trtllm-build takes the model's context length
+        command += ["--max_seq_len", str(settings.max_seq_len)]
+    if settings.enable_chunked_context:  # chunked context runs on the paged context FMHA
+        command += ["--use_paged_context_fmha", "enable"]
+    return command
+
+
+def engine_mismatch(engine_dir: Path, settings: TrtllmSettings, version: str) -> str | None:
+    """Why the engine in ``engine_dir`` does not match ``settings`` (None: it does).
+
+    Reads the ``config.json`` that ``trtllm-build`` writes beside ``rank<N>.engine``
+    (``version``, ``pretrained_config``, ``build_config``). An engine of another
+    TensorRT-LLM version does not load, so the version counts too.
+    """
+    try:
+        engine = json.loads((engine_dir / "config.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return f"no engine config in {engine_dir}"
+    if engine.get("version") != version:
+        return f"engine built by TensorRT-LLM {engine.get('version')}, this is {version}"
+    for rank in range(settings.world_size):
+        if not (engine_dir / f"rank{rank}.engine").exists():
+            return f"rank{rank}.engine is missing"
+    build = engine.get("build_config", {})
+    pretrained = engine.get("pretrained_config", {})
+    expected = {
+        "max_batch_size": settings.max_batch_size,
+        "max_input_len": settings.max_input_len,
+        "max_num_tokens": settings.max_num_tokens,
+        "max_beam_width": settings.max_beam_width,
+    }
+    if settings.max_seq_len:
+        expected["max_seq_len"] = settings.max_seq_len
+    for key, value in expected.items():
+        if build.get(key) != value:
+            return f"engine {key} is {build.get(key)}, the config says {value}"
+    return _plugin_and_mapping_mismatch(build, pretrained, settings)
+
+
+def _plugin_and_mapping_mismatch(build: dict, pretrained: dict, settings: TrtllmSettings):
+    plugins = build.get("plugin_config", {})
+    for key in ("remove_input_padding", "context_fmha"):
+        if plugins.get(key) != getattr(settings, key):
+            return f"engine {key} is {plugins.get(key)}, the config says {getattr(settings, key)}"
+    if "paged" not in str(build.get("kv_cache_type", "")).lower():
+        return f"engine kv_cache_type is {build.get('kv_cache_type')}, the config says paged"
+    mapping = pretrained.get("mapping", {})
+    for key, value in (
+        ("tp_size", settings.tensor_parallel_size),
+        ("pp_size", settings.pipeline_parallel_size),
+    ):
+        if mapping.get(key, 1) != value:
+            return f"engine {key} is {mapping.get(key, 1)}, the config says {value}"
+    if settings.dtype != "auto" and pretrained.get("dtype") != settings.dtype:
+        return f"engine dtype is {pretrained.get('dtype')}, the config says {settings.dtype}"
+    return None

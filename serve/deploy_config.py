@@ -1,0 +1,97 @@
+"""``serve/config.yaml`` for a container or a cluster: the one Serve config, adapted.
+
+``python -m serve.deploy_config --gpus-per-replica 1 -o /tmp/serve.yaml`` writes what
+``serve deploy`` gets in docker/compose.yaml; the RayService in
+docker/kuberay/rayservice.yaml carries the same config (a unit test compares them;
+``--update-rayservice`` rewrites it after serve/config.yaml changes). Only what a
+container changes is changed: the proxy listens on 0.0.0.0 on every node, and each
+Triton replica reserves its GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import yaml
+
+SERVE_CONFIG = Path(__file__).with_name("config.yaml")
+RAYSERVICE = Path(__file__).resolve().parent.parent / "docker" / "kuberay" / "rayservice.yaml"
+
+
+def load_base(path: Path = SERVE_CONFIG) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def deploy_config(base: dict, gpus_per_replica: float = 1, port: int = 8000) -> dict:
+    """``base`` with the proxy on 0.0.0.0:``port`` everywhere and GPUs per replica."""
+    config = copy.deepcopy(base)
+    config["proxy_location"] = "EveryNode"
+    config["http_options"] = {**config.get("http_options", {}), "host": "0.0.0.0", "port": port}
+    for app in config["applications"]:
+        for actor in triton_actor_options(app.setdefault("args", {})):
+            _set_gpus(actor, gpus_per_replica)
+    return config
+
+
+def triton_actor_options(args: dict) -> list[dict]:
+    """The ``ray_actor_options`` of the Triton replicas in AppConfig's args, one per
+    served model (``models[].deployment``)."""
+    return [
+        model.setdefault("deployment", {}).setdefault("ray_actor_options", {})
+        for model in args["models"]
+    ]
+
+
+def _set_gpus(actor: dict, gpus_per_replica: float) -> None:
+    if gpus_per_replica:
+        whole = float(gpus_per_replica).is_integer()
+        actor["num_gpus"] = int(gpus_per_replica) if whole else gpus_per_replica
+    else:
+        actor.pop("num_gpus", None)
+
+
+def update_rayservice(path: Path, config: dict) -> bool:
+    """Rewrite the ``serveConfigV2`` block of a RayService manifest; True if it changed."""
+    lines = path.read_text().splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.strip() == "serveConfigV2: |") + 1
+    end = start
+    while end < len(lines) and (lines[end].startswith("    ") or not lines[end].strip()):
+        end += 1
+    block = yaml.safe_dump(config, sort_keys=False).splitlines()
+    new = [*lines[:start], *(f"    {line}\n" for line in block), *lines[end:]]
+    if new == lines:
+        return False
+    path.write_text("".join(new))
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m serve.deploy_config", description=__doc__)
+    p.add_argument("--base", type=Path, default=SERVE_CONFIG, help="the Serve config to adapt")
+    p.add_argument("--gpus-per-replica", type=float, default=1, help="0 on a CPU-only cluster")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
+    p.add_argument(
+        "--update-rayservice",
+        action="store_true",
+        help=f"rewrite serveConfigV2 in {RAYSERVICE.relative_to(RAYSERVICE.parents[2])}",
+    )
+    args = p.parse_args(argv)
+    config = deploy_config(load_base(args.base), args.gpus_per_replica, args.port)
+    if args.update_rayservice:
+        changed = update_rayservice(RAYSERVICE, config)
+        print(f"{RAYSERVICE}: {'updated' if changed else 'already current'}")
+        return 0
+    text = yaml.safe_dump(config, sort_keys=False)
+    if args.output:
+        args.output.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

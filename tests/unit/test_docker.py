@@ -1,0 +1,211 @@
+"""docker/: the compose file against the Compose specification, the Dockerfiles read by
+Docker's own parser, and the Serve config the containers deploy."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.resources
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import dockerfile
+import jsonschema
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from serve.config import AppConfig
+from serve.deploy_config import deploy_config, load_base, main, triton_actor_options
+from tests.conftest import ROOT
+
+DOCKER = ROOT / "docker"
+COMPOSE = DOCKER / "compose.yaml"
+REPOSITORY_MOUNT = "/workspace/triton-ray-llm/model_repository"
+GPU_BASE = "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3"  # pairs with TensorRT-LLM 1.2.1
+RAY_MINOR = ".".join(importlib.metadata.version("ray").split(".")[:2])  # pyproject: 2.60.*
+
+
+def image_ray_version() -> str:
+    """The ray[serve] version Dockerfile.gpu pins (and the RayService must run)."""
+    runs = " ".join(c.value[0] for c in instructions("Dockerfile.gpu") if c.cmd == "RUN")
+    return re.search(r'"ray\[serve\]==([0-9.]+)"', runs).group(1)
+
+
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def instructions(name: str) -> list:
+    return dockerfile.parse_file(str(DOCKER / name))
+
+
+def first(commands, cmd: str):
+    return next(c for c in commands if c.cmd == cmd)
+
+
+def test_compose_file_follows_the_compose_specification():
+    schema_file = importlib.resources.files("check_jsonschema") / "builtin_schemas/vendor"
+    schema = json.loads((schema_file / "compose-spec.json").read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    errors = sorted(validator.iter_errors(compose()), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def compose_cli() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    return None
+
+
+@pytest.mark.skipif(compose_cli() is None, reason="no docker compose CLI on this machine")
+def test_docker_compose_config_accepts_it():
+    result = subprocess.run(
+        [*compose_cli(), "-f", str(COMPOSE), "--profile", "build", "--profile", "worker", "config"],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin:/usr/local/bin", "MODEL_DIR": "/tmp"},
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_compose_services_fit_together():
+    services = compose()["services"]
+    head, worker, engines = services["ray-head"], services["ray-worker"], services["engines"]
+    assert {"8000:8000", "8265:8265"} <= set(head["ports"])
+    for name, service in services.items():
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"], name
+        mounts = {v.split(":")[1] for v in service["volumes"]}
+        assert REPOSITORY_MOUNT in mounts, name  # the engine path is absolute: same everywhere
+        assert service["build"]["dockerfile"] == "docker/Dockerfile.gpu"
+        assert (COMPOSE.parent / service["build"]["context"] / "docker/Dockerfile.gpu").is_file()
+    for service in (head, worker):
+        assert "/-/healthz" in " ".join(service["healthcheck"]["test"])
+    assert engines["profiles"] == ["build"] and engines["healthcheck"] == {"disable": True}
+    assert engines["command"][:3] == ["make", "engines", "TARGET=trtllm"]
+    assert worker["profiles"] == ["worker"]
+    head_port = re.search(r"ray start --head --port=(\d+)", " ".join(head["command"])).group(1)
+    assert f"--address=ray-head:{head_port}" in worker["command"]
+    assert head["hostname"] == "ray-head"
+
+
+def deploy_config_args(command: str) -> list[str]:
+    return shlex.split(re.search(r"-m serve\.deploy_config([^&]*)", command).group(1))
+
+
+@pytest.mark.parametrize(
+    ("source", "gpus"),
+    [("compose", 1), ("Dockerfile.gpu", 1), ("Dockerfile.cpu", None)],
+)
+def test_the_deployed_serve_config_is_valid_for_serve(tmp_path, source, gpus):
+    if source == "compose":
+        command = " ".join(compose()["services"]["ray-head"]["command"])
+    else:
+        command = " ".join(first(instructions(source), "CMD").value)
+    args = deploy_config_args(command)
+    args[args.index("-o") + 1] = str(tmp_path / "serve.yaml")
+    assert main(args) == 0
+    config = yaml.safe_load((tmp_path / "serve.yaml").read_text())
+    ServeDeploySchema.model_validate(config)  # Ray's own schema of `serve deploy` files
+    AppConfig.model_validate(config["applications"][0]["args"])  # and the app's own
+    assert config["http_options"]["host"] == "0.0.0.0" and config["http_options"]["port"] == 8000
+    model = config["applications"][0]["args"]["models"][0]
+    assert model["deployment"]["ray_actor_options"].get("num_gpus") == gpus
+    assert "serve deploy /tmp/serve.yaml" in command or "serve run /tmp/serve.yaml" in command
+
+
+def test_deploy_config_changes_only_what_a_container_needs():
+    base = load_base()
+    config = deploy_config(base, gpus_per_replica=0.5)
+    (model,) = config["applications"][0]["args"]["models"]
+    (base_model,) = base["applications"][0]["args"]["models"]
+    assert model["triton"] == base_model["triton"]
+    assert config["proxy_location"] == "EveryNode"
+    assert base["http_options"]["host"] == "127.0.0.1"  # serve/config.yaml itself untouched
+    assert model["deployment"]["ray_actor_options"]["num_gpus"] == 0.5
+    deployment = {k: v for k, v in model["deployment"].items() if k != "ray_actor_options"}
+    assert deployment == {
+        k: v for k, v in base_model["deployment"].items() if k != "ray_actor_options"
+    }
+
+
+def test_deploy_config_reserves_gpus_for_every_served_model():
+    # AppConfig with one Serve deployment of Triton replicas per model.
+    base = {
+        "applications": [
+            {
+                "name": "llm",
+                "import_path": "serve.app:build_app",
+                "args": {
+                    "models": [
+                        {"id": "a", "deployment": {"ray_actor_options": {"num_cpus": 2}}},
+                        {"id": "b"},
+                    ]
+                },
+            }
+        ]
+    }
+    args = deploy_config(base, gpus_per_replica=1)["applications"][0]["args"]
+    assert triton_actor_options(args) == [{"num_cpus": 2, "num_gpus": 1}, {"num_gpus": 1}]
+    assert (
+        "num_gpus"
+        not in base["applications"][0]["args"]["models"][0]["deployment"]["ray_actor_options"]
+    )
+
+
+def test_gpu_dockerfile_builds_on_the_pinned_ngc_image():
+    commands = instructions("Dockerfile.gpu")
+    assert [c.value[0] for c in commands if c.cmd == "FROM"] == [GPU_BASE]
+    runs = [c.value[0] for c in commands if c.cmd == "RUN"]
+    ray_pin = next(r for r in runs if "ray[serve]" in r)
+    # Exact in the image, and the minor release the tests here ran against.
+    assert image_ray_version().startswith(RAY_MINOR + ".")
+    assert "-c /opt/ngc-constraints.txt" in ray_pin  # never replaces the image's packages
+    assert any("pip install --no-deps -e ." in r for r in runs)
+    assert any(
+        "/opt/tritonserver/python/tritonserver-" in r and "import tritonserver" in r for r in runs
+    )
+    env = first(commands, "ENV").value
+    assert dict(zip(env[::2], env[1::2], strict=True))["NO_VENV"] == "1"  # make uses this Python
+    assert "/-/healthz" in " ".join(first(commands, "HEALTHCHECK").value)
+    assert {"8000", "8265"} <= set(first(commands, "EXPOSE").value)
+
+
+def test_cpu_dockerfile_runs_the_pytriton_server():
+    commands = instructions("Dockerfile.cpu")
+    (base,) = [c.value[0] for c in commands if c.cmd == "FROM"]
+    assert re.fullmatch(r"python:3\.11\.?\d*-slim-bookworm", base)  # a pinned tag, not latest
+    runs = " ".join(c.value[0] for c in commands if c.cmd == "RUN")
+    assert 'pip install -e ".[cpu-triton]"' in runs and "import pytriton" in runs
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert "cpu-triton = [" in pyproject
+    cmd = " ".join(first(commands, "CMD").value)
+    assert cmd.startswith("bash -c make engines") and "serve run" in cmd
+
+
+def test_dockerignore_keeps_generated_files_and_venvs_out():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for pattern in (".venv", ".git", "model_repository/tensorrt_llm/1/*"):
+        assert pattern in ignored
+    assert "!model_repository/tensorrt_llm/1/model.py" in ignored  # the adapter is source
+
+
+def test_no_dockerfile_uses_a_floating_tag():
+    for path in Path(DOCKER).glob("Dockerfile.*"):
+        for command in dockerfile.parse_file(str(path)):
+            if command.cmd == "FROM":
+                image = command.value[0]
+                assert ":" in image and not image.endswith(":latest"), (path.name, image)
+
+
+def test_the_docs_name_the_image_the_dockerfile_uses():
+    for doc in (ROOT / "README.md", DOCKER / "README.md"):
+        assert GPU_BASE in doc.read_text(), doc
