@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,6 +34,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 NGC_ROOT = Path("/opt/tritonserver")
+# glog lines: E1203 07:39:18.761456 7711 model_lifecycle.cc:642] "failed to load ..."
+_ERROR_LINE = re.compile(r'^E\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] "?(.*?)"?$')
+_HARMLESS = re.compile(r"CudaDriverHelper|NVML|DCGM|cuda", re.IGNORECASE)
 
 
 class TritonLaunchError(RuntimeError):
@@ -200,8 +204,10 @@ class TritonProcess:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise TritonLaunchError(
-                    f"Triton exited with code {self._proc.returncode} before it was ready:\n"
-                    + self.log_tail()
+                    f"Triton exited with code {self._proc.returncode} before it was ready: "
+                    + "\n".join(self.error_lines() or ["(no error line)"])
+                    + "\n--- log tail ---\n"
+                    + self.log_tail(20)
                 )
             if self.is_ready():
                 return
@@ -210,6 +216,21 @@ class TritonProcess:
         raise TritonLaunchError(
             f"Triton was not ready after {timeout_s:.0f} s:\n" + self.log_tail()
         )
+
+    def error_lines(self) -> list[str]:
+        """Triton's own error lines (``E<date> ...``), the harmless CPU-only ones left
+        out: why a model failed to load, first."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return []
+        found = []
+        for line in text.splitlines():
+            match = _ERROR_LINE.match(line)
+            if match and not _HARMLESS.search(line):
+                message = match.group(1).encode().decode("unicode_escape", errors="replace")
+                found.append(message.split("\n\nAt:")[0].strip())
+        return found
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -19,7 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.fuzzing import server_errors
 from tests.integration.cluster import RayCluster, child_pids, process_name, serve_config
+from tests.integration.repositories import repository_with_limits
 
 pytestmark = pytest.mark.integration
 MODEL = "tritonllm-default"
@@ -291,3 +293,92 @@ def test_a_killed_triton_is_replaced_and_nothing_hangs(cluster, built_repository
     if long_stream is not None:  # its replica's Triton died mid-answer
         events = long_stream.result(timeout=120)
         assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+
+
+def test_a_rolling_update_finishes_streams_in_flight_and_applies_the_new_config(
+    cluster, built_repository
+):
+    fixed = {"autoscaling_config": None, "num_replicas": 1, "graceful_shutdown_wait_loop_s": 0.5}
+    cluster.deploy(serve_config(built_repository, deployment=fixed))
+    cluster.wait_running()
+    assert complete(cluster.url, max_tokens=150).status_code == 200
+    with ThreadPoolExecutor(3) as pool, Load(cluster.url, clients=1, max_tokens=4) as load:
+        streams = [
+            pool.submit(stream_events, cluster.url, max_tokens=400, min_tokens=400)
+            for _ in range(3)
+        ]
+        time.sleep(2)  # the streams are running on the old replicas
+        cluster.deploy(serve_config(built_repository, max_tokens_cap=100, deployment=fixed))
+        wait_for(
+            lambda: complete(cluster.url, max_tokens=150).status_code == 400,
+            240,
+            "the new max_tokens cap in force",
+        )
+        cluster.wait_running()
+        for stream in streams:  # each stream ran to its end on the draining replica
+            events = stream.result(timeout=240)
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+            assert events[-2]["choices"][0]["finish_reason"] == "length"
+            assert sum(len(e["choices"][0]["text"]) > 0 for e in events[:-1]) > 100
+        time.sleep(2)
+    codes = [getattr(r, "status_code", r) for r in load.responses()]
+    assert codes and set(codes) == {200}, codes  # none lost during the update
+    assert complete(cluster.url, max_tokens=100).status_code == 200
+
+
+def test_a_repository_that_fails_to_load_fails_the_deployment_with_tritons_reason(
+    cluster, built_repository, checkpoint_dir, tmp_path
+):
+    broken = repository_with_limits(checkpoint_dir, tmp_path / "broken")
+    config = broken / "tensorrt_llm" / "config.pbtxt"
+    config.write_text(
+        re.sub(
+            r'(key: "engine_dir" value: \{ string_value: )"[^"]*"',
+            r'\1"/nonexistent/engine"',
+            config.read_text(),
+        )
+    )
+    start = time.monotonic()
+    cluster.deploy(serve_config(broken, deployment={"autoscaling_config": None}))
+
+    def failed():
+        details = cluster.applications().get("llm", {})
+        return details.get("status") == "DEPLOY_FAILED" and details
+
+    details = wait_for(failed, 240, "DEPLOY_FAILED")
+    message = details["deployments"][TRITON]["message"]
+    assert "failed to load 'tensorrt_llm'" in message, message
+    assert "/nonexistent/engine has no config.json" in message
+    assert time.monotonic() - start < 240
+
+    # A repository never built fails at once, before any replica starts.
+    unbuilt = tmp_path / "unbuilt"
+    unbuilt.mkdir()
+    cluster.deploy(serve_config(unbuilt, deployment={"autoscaling_config": None}))
+    details = wait_for(failed, 60, "DEPLOY_FAILED for the unbuilt repository")
+    assert "make engines" in details["message"], details["message"]
+
+
+def test_api_keys_and_a_fuzzed_api(cluster, built_repository, tmp_path):
+    import schemathesis
+
+    keys = tmp_path / "keys"
+    keys.write_text("key-for-tests\n")
+    config = serve_config(
+        built_repository,
+        max_tokens_cap=8,
+        default_max_tokens=4,
+        deployment={"autoscaling_config": None},
+    )
+    config["applications"][0]["args"]["api_keys"] = {"env": None, "file": str(keys)}
+    cluster.deploy(config)
+    cluster.wait_running()
+    anonymous = httpx.get(f"{cluster.url}/v1/models", timeout=30)
+    assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
+    auth = {"Authorization": "Bearer key-for-tests"}
+    assert httpx.get(f"{cluster.url}/v1/models", headers=auth, timeout=30).status_code == 200
+
+    schema = schemathesis.openapi.from_url(f"{cluster.url}/openapi.json")
+    failures = server_errors(schema, lambda case: case.call(headers=auth, timeout=60), 15)
+    assert not failures, failures[:5]
+    assert httpx.get(f"{cluster.url}/v1/models", headers=auth, timeout=30).status_code == 200
