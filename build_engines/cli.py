@@ -107,6 +107,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="trtllm target: its settings file (default build_engines/trtllm.yaml)",
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="build a repository for a pool of variants (model multiplexing) instead: "
+        "one per fine-tuned checkpoint of one base model, repeatable (torch target)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -116,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     repo = ModelRepository(args.repository)
     try:
+        if args.variant:
+            return _report(_build_variants(args), repo)
         repo.check_layout()
         if args.clean:
             removed = repo.clean()
@@ -138,6 +148,23 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, RuntimeError) as exc:
         console.print(f"[bold red]error:[/] {exc}")
         return 2
+    return _report(report, repo)
+
+
+def _build_variants(args: argparse.Namespace):
+    from build_engines import variants
+
+    overrides = {k: v for k, v in vars(args).items() if k in _OPTION_FIELDS and v is not None}
+    return variants.build_variants(
+        ModelRepository(Path(__file__).resolve().parent.parent / "model_repository"),
+        args.repository,
+        variants.parse_variants(args.variant),
+        EngineOptions(**overrides),
+        RichReporter(),
+    )
+
+
+def _report(report, repo: ModelRepository) -> int:
     verb = "up to date" if report.skipped else f"built in {report.seconds:.1f} s"
     console.print(
         f"[green]{repo.root}[/]: target {report.target}, engine_dir {report.engine_dir}, "

@@ -34,7 +34,7 @@ def build_app(args: dict | None = None):
 def replica_options(model: ModelConfig) -> dict[str, Any]:
     """Serve options of one model's Triton replicas, from its config and its repository."""
     path = model.triton.repository_path()
-    repository.check_built(path, (model.entry_model(),))
+    repository.check_built(path, tuple(model.entry_models()))
     options = model.deployment.model_dump(
         exclude={"num_replicas", "autoscaling_config", "ray_actor_options"}
     )
@@ -62,7 +62,7 @@ def autoscaling(model: ModelConfig) -> AutoscalingConfig:
 def _batch_size(model: ModelConfig) -> int:
     if model.task != "generate":
         return 8  # an embeddings request is one short forward: a small target suffices
-    return repository.engine_batch_size(model.triton.repository_path())
+    return repository.engine_batch_size(model.triton.repository_path(), model.engine_model())
 
 
 def ingress_options(config: AppConfig) -> dict[str, Any]:

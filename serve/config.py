@@ -15,11 +15,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from ray.serve.config import AutoscalingConfig
 
+from tritonllm import contract
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Model ids reach logs, metrics labels, deployment names and (for multiplexed
 # variants) Triton model names: no path separators, no spaces.
 ModelId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
+# A variant's id is also part of its Triton model names (``ensemble-<id>``).
+VariantId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 
 
 class _Strict(BaseModel):
@@ -125,9 +129,46 @@ class ModelConfig(_Strict):
         gt=0,
         description="an upper bound of one decode step under full load; sizes the drain time",
     )
+    variants: list[VariantId] = Field(
+        default_factory=list,
+        description="model multiplexing: variants (fine-tuned checkpoints of one base) "
+        "served by one pool of replicas; clients send a variant's id as `model`; each is "
+        "`ensemble-<variant>` in the repository (python -m build_engines --variant NAME=DIR)",
+    )
+    max_models_per_replica: int = Field(
+        2, ge=1, description="variants one replica keeps loaded (least recently used leaves)"
+    )
 
-    def entry_model(self) -> str:
+    @model_validator(mode="after")
+    def _variants_generate(self) -> ModelConfig:
+        if self.variants and self.task != "generate":
+            raise ValueError("variants are served for task: generate only")
+        if len(set(self.variants)) != len(self.variants):
+            raise ValueError("variant ids must be unique")
+        return self
+
+    def entry_model(self, variant: str | None = None) -> str:
+        """The Triton model a request goes to (a variant's own ensemble in a pool)."""
+        if variant is not None:
+            return f"ensemble-{variant}"
         return self.triton_model or ("ensemble" if self.task == "generate" else "embeddings")
+
+    def entry_models(self) -> list[str]:
+        """Every Triton model requests may go to (one per variant in a pool)."""
+        return [self.entry_model(v) for v in self.variants] or [self.entry_model()]
+
+    def engine_model(self) -> str:
+        """The engine step whose batch size sizes the replica (a pool's first variant's)."""
+        return f"tensorrt_llm-{self.variants[0]}" if self.variants else "tensorrt_llm"
+
+    def startup_models(self) -> tuple[str, ...]:
+        """What Triton loads at start: everything, or for a pool of variants only the
+        shared steps (each variant's ensemble loads on its first request)."""
+        return (contract.PREPROCESSING, contract.POSTPROCESSING) if self.variants else ("*",)
+
+    def served_ids(self) -> list[str]:
+        """The ids clients send for this model."""
+        return list(self.variants) or [self.id]
 
     def deployment_name(self) -> str:
         return f"Triton-{self.id}"
@@ -174,7 +215,7 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique_ids(self) -> AppConfig:
-        ids = [m.id for m in self.models]
+        ids = [m.id for m in self.models] + [v for m in self.models for v in m.variants]
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
         if duplicates:
             raise ValueError(f"model ids must be unique: {', '.join(duplicates)}")
@@ -185,7 +226,19 @@ class AppConfig(_Strict):
     def model(self, model_id: str) -> ModelConfig | None:
         return next((m for m in self.models if m.id == model_id), None)
 
+    def resolve(self, model_id: str) -> tuple[ModelConfig, str | None] | None:
+        """The model a client's ``model`` names and, for a pool, the variant."""
+        for model in self.models:
+            if model_id in model.variants:
+                return model, model_id
+        model = self.model(model_id)
+        return (model, None) if model is not None else None
+
+    def served_ids(self) -> list[str]:
+        return [i for m in self.models for i in m.served_ids()]
+
     @property
-    def default_model(self) -> ModelConfig:
-        """The model of /generate: the first generate model."""
-        return next(m for m in self.models if m.task == "generate")
+    def default_target(self) -> tuple[ModelConfig, str | None]:
+        """What /generate runs: the first generate model (a pool's first variant)."""
+        model = next(m for m in self.models if m.task == "generate")
+        return model, (model.variants[0] if model.variants else None)

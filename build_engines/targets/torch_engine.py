@@ -9,7 +9,7 @@ from pathlib import Path
 
 from build_engines import default_model, templates
 from build_engines.repository import ModelRepository
-from build_engines.targets.base import BuildReport, BuildSpec, Reporter
+from build_engines.targets.base import BuildReport, BuildSpec, EngineOptions, Reporter
 from tritonllm import contract
 
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -102,33 +102,36 @@ class TorchTarget:
         )
 
     def _fill_configs(self, spec: BuildSpec, repo: ModelRepository, checkpoint_ref: str) -> None:
-        o = spec.options
-        common = {"triton_max_batch_size": o.triton_max_batch_size}
-        values = {
-            contract.ENSEMBLE: common,
-            contract.PREPROCESSING: {
-                **common,
-                "tokenizer_dir": checkpoint_ref,
-                "add_special_tokens": "true",
-                "preprocessing_instance_count": o.preprocessing_instance_count,
-            },
-            contract.POSTPROCESSING: {
-                **common,
-                "tokenizer_dir": checkpoint_ref,
-                "skip_special_tokens": "true",
-            },
-            contract.TENSORRT_LLM: {
-                **common,
-                "engine_dir": checkpoint_ref,
-                "engine_max_batch_size": o.max_batch_size,
-                "max_queue_size": o.max_queue_size,
-                "max_num_tokens": o.max_num_tokens,
-                "max_seq_len": o.max_seq_len,
-                "device": o.device,
-                "dtype": o.dtype,
-                "num_threads": o.num_threads,
-            },
-        }
-        for model, model_values in values.items():
-            text = templates.fill(repo.template_path(model, self.name), model, model_values)
+        for model, values in config_values(spec.options, checkpoint_ref).items():
+            text = templates.fill(repo.template_path(model, self.name), model, values)
             repo.config_path(model).write_text(text)
+
+
+def config_values(o: EngineOptions, checkpoint_ref: str) -> dict[str, dict]:
+    """The template values of the four models for a checkpoint served by the torch engine."""
+    common = {"triton_max_batch_size": o.triton_max_batch_size}
+    return {
+        contract.ENSEMBLE: common,
+        contract.PREPROCESSING: {
+            **common,
+            "tokenizer_dir": checkpoint_ref,
+            "add_special_tokens": "true",
+            "preprocessing_instance_count": o.preprocessing_instance_count,
+        },
+        contract.POSTPROCESSING: {
+            **common,
+            "tokenizer_dir": checkpoint_ref,
+            "skip_special_tokens": "true",
+        },
+        contract.TENSORRT_LLM: {
+            **common,
+            "engine_dir": checkpoint_ref,
+            "engine_max_batch_size": o.max_batch_size,
+            "max_queue_size": o.max_queue_size,
+            "max_num_tokens": o.max_num_tokens,
+            "max_seq_len": o.max_seq_len,
+            "device": o.device,
+            "dtype": o.dtype,
+            "num_threads": o.num_threads,
+        },
+    }

@@ -38,13 +38,28 @@ def _backend(request: Request) -> Backend:
 BackendDep = Annotated[Backend, Depends(_backend)]
 
 
-def _model(request: Request, backend: Backend, model_id: str, task: str) -> ModelConfig:
-    model = backend.config.model(model_id)
-    if model is None or model.task != task:
-        what = "model" if model is None else f"{task} model"
-        raise NotFound(f"{what} {model_id!r} does not exist", param="model", code="model_not_found")
-    request.state.model = model.id
-    return model
+# Serve's own header for multiplexed models; it names a variant as `model` does.
+MULTIPLEXED_HEADER = "serve_multiplexed_model_id"
+
+
+def _target(
+    request: Request, backend: Backend, model_id: str, task: str
+) -> tuple[ModelConfig, str | None]:
+    """The model (and, in a pool of variants, the variant) a request names."""
+    name = request.headers.get(MULTIPLEXED_HEADER) or model_id
+    resolved = backend.config.resolve(name)
+    if resolved is None or resolved[0].task != task:
+        what = "model" if resolved is None else f"{task} model"
+        raise NotFound(f"{what} {name!r} does not exist", param="model", code="model_not_found")
+    model, variant = resolved
+    if model.variants and variant is None:
+        raise NotFound(
+            f"{name!r} is a pool of variants: send one of {', '.join(model.variants)}",
+            param="model",
+            code="model_not_found",
+        )
+    request.state.model = variant or model.id
+    return model, variant
 
 
 def _request_ids(request: Request, count: int) -> list[str]:
@@ -62,31 +77,30 @@ def _check_prompt_chars(backend: Backend, chars: int, param: str) -> None:
         raise APIError(f"{param} holds {chars} characters, more than the cap of {cap}", param)
 
 
-def _card(model: ModelConfig) -> dict:
-    return {"id": model.id, "object": "model", "created": 0, "owned_by": "triton"}
+def _card(model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "triton"}
 
 
 @router.get("/v1/models")
 async def list_models(backend: BackendDep):
-    return {"object": "list", "data": [_card(m) for m in backend.config.models]}
+    return {"object": "list", "data": [_card(i) for i in backend.config.served_ids()]}
 
 
 @router.get("/v1/models/{model_id}")
 async def retrieve_model(model_id: str, backend: BackendDep):
-    model = backend.config.model(model_id)
-    if model is None:
+    if model_id not in backend.config.served_ids():
         raise NotFound(f"model {model_id!r} does not exist", param="model", code="model_not_found")
-    return _card(model)
+    return _card(model_id)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, backend: BackendDep):
-    model = _model(request, backend, body.model, "generate")
+    model, variant = _target(request, backend, body.model, "generate")
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     _check_prompt_chars(backend, sum(len(p) for p in prompts), "prompt")
     ids = _request_ids(request, len(prompts))
     params = [
-        body.params(p, body.max_tokens, model.max_tokens_cap, model.default_max_tokens, i)
+        body.params(p, body.max_tokens, model.max_tokens_cap, model.default_max_tokens, i, variant)
         for p, i in zip(prompts, ids, strict=True)
     ]
     return await _respond(backend, model, body, params, "text_completion")
@@ -94,7 +108,7 @@ async def completions(body: CompletionRequest, request: Request, backend: Backen
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, backend: BackendDep):
-    model = _model(request, backend, body.model, "generate")
+    model, variant = _target(request, backend, body.model, "generate")
     if len(body.messages) > backend.config.max_messages:
         raise APIError(
             f"{len(body.messages)} messages, more than the cap of {backend.config.max_messages}",
@@ -109,13 +123,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, backen
         model.max_tokens_cap,
         model.default_max_tokens,
         _request_ids(request, 1)[0],
+        variant,
     )
     return await _respond(backend, model, body, [params], "chat.completion")
 
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request, backend: BackendDep):
-    model = _model(request, backend, body.model, "embed")
+    model, _ = _target(request, backend, body.model, "embed")
     _check_prompt_chars(backend, sum(len(t) for t in body.texts), "input")
     result = await backend.embed(model, body.texts)
     data = [
@@ -150,8 +165,8 @@ async def generate_get(
 
 @router.post("/generate")
 async def generate_post(body: GenerateRequest, request: Request, backend: BackendDep):
-    model = backend.config.default_model
-    request.state.model = model.id
+    model, variant = backend.config.default_target
+    request.state.model = variant or model.id
     _check_prompt_chars(backend, len(body.prompt), "prompt")
     params = CompletionRequest(model=model.id, prompt=body.prompt).params(
         body.prompt,
@@ -159,6 +174,7 @@ async def generate_post(body: GenerateRequest, request: Request, backend: Backen
         model.max_tokens_cap,
         model.default_max_tokens,
         _request_ids(request, 1)[0],
+        variant,
     )
     text, _ = await backend.collect(model, params)
     return {"text": text}
@@ -167,7 +183,8 @@ async def generate_post(body: GenerateRequest, request: Request, backend: Backen
 async def _respond(backend: Backend, model: ModelConfig, body, params: list[GenerateParams], kind):
     choice = chat_choice if kind == "chat.completion" else completion_choice
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-    base = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model.id}
+    served = params[0].variant or model.id
+    base = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": served}
     if not body.stream:
         results = await _gather(backend.collect(model, p) for p in params)
         choices = [

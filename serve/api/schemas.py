@@ -57,7 +57,13 @@ class SamplingFields(BaseModel):
         return words
 
     def params(
-        self, prompt: str, max_tokens: int | None, cap: int, default: int, request_id: str
+        self,
+        prompt: str,
+        max_tokens: int | None,
+        cap: int,
+        default: int,
+        request_id: str,
+        variant: str | None = None,
     ) -> GenerateParams:
         max_tokens = max_tokens or default
         if max_tokens > cap:
@@ -66,6 +72,7 @@ class SamplingFields(BaseModel):
             )
         return GenerateParams(
             request_id=request_id,
+            variant=variant,
             prompt=prompt,
             max_tokens=max_tokens,
             temperature=self.temperature,

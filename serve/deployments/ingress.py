@@ -136,26 +136,30 @@ class OpenAIIngress:
         self, model: ModelConfig, params: GenerateParams
     ) -> AsyncIterator[GenerationChunk]:
         """The replica's chunks, with errors mapped and the latency figures recorded."""
-        handle = self.replicas[model.id].options(stream=True)
+        # A variant goes to a replica that already holds it (Serve's multiplexing).
+        handle = self.replicas[model.id].options(
+            stream=True, multiplexed_model_id=params.variant or ""
+        )
+        label = params.variant or model.id
         responses = None
         start = last = time.monotonic()
         first, finished = True, False
-        self.metrics.generation_started(model.id)
+        self.metrics.generation_started(label)
         try:
             responses = handle.generate.remote(params)
             async for chunk in responses:
                 now = time.monotonic()
                 if chunk.text:
-                    self.metrics.text_arrived(model.id, now - (start if first else last), first)
+                    self.metrics.text_arrived(label, now - (start if first else last), first)
                     first, last = False, now
                 if chunk.finish_reason:
-                    self.metrics.tokens(model.id, chunk.num_input_tokens, chunk.num_output_tokens)
+                    self.metrics.tokens(label, chunk.num_input_tokens, chunk.num_output_tokens)
                 yield chunk
             finished = True
         except Exception as error:
             raise _translate(error) from None
         finally:
-            self.metrics.generation_ended(model.id)
+            self.metrics.generation_ended(label)
             if responses is not None and not finished:
                 _cancel(responses)
 

@@ -6,9 +6,11 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+from ray import serve
+
 from serve.config import ModelConfig
 from serve.metrics import TritonMetricsExporter
-from serve.triton.host import TritonHost
+from serve.triton.host import GenerationError, TritonHost
 from serve.triton.requests import GenerateParams, GenerationChunk
 from serve.triton.select import choose_host
 
@@ -19,31 +21,59 @@ class TritonReplica:
     """Plain class; ``serve.deployment`` wraps it in :func:`serve.app.build_app`.
 
     Serve counts the replica ready when ``__init__`` returns, which is after Triton
-    reports every model of the repository ready; a repository that fails to load
+    reports every model it loads at start ready; a repository that fails to load
     raises here with Triton's own message, which Serve shows in the deployment's
     status. On shutdown Serve first drains the replica (up to
     ``graceful_shutdown_timeout_s``), then ``__del__`` stops Triton.
+
+    A pool of variants (``ModelConfig.variants``) starts with the shared steps only;
+    a variant's ensemble loads on its first request, through Serve's model
+    multiplexing, which also unloads the least recently used one past
+    ``max_models_per_replica`` and routes a variant's requests to the replicas
+    holding it.
     """
 
     async def __init__(self, model: ModelConfig, host: TritonHost | None = None):
         self.model = model
-        self.host = host or choose_host(model.triton)
+        self.host = host or choose_host(model.triton, model.startup_models())
         # Starting Triton blocks for seconds to minutes: off the event loop.
         await asyncio.to_thread(self.host.start)
         self._metrics = TritonMetricsExporter(self.host.metrics)
         self._metrics.start()
+        if model.variants:
+
+            async def load(variant: str) -> LoadedVariant:
+                return await self._load_variant(variant)
+
+            # Built here, not as a decorated method: K comes from the config (Serve
+            # detects multiplexing wired up at init, `_callable_uses_multiplexing`).
+            self._variant = serve.multiplexed(
+                max_num_models_per_replica=model.max_models_per_replica
+            )(load)
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerationChunk]:
-        async for chunk in self.host.generate(params, self.model.entry_model()):
+        triton_model = self.model.entry_model()
+        if params.variant is not None:
+            triton_model = (await self._variant(params.variant)).ensemble
+        async for chunk in self.host.generate(params, triton_model):
             yield chunk
+
+    async def _load_variant(self, variant: str) -> LoadedVariant:
+        if variant not in self.model.variants:
+            raise GenerationError(f"unknown variant {variant!r}", GenerationError.INVALID)
+        loaded = LoadedVariant(self.host, variant, asyncio.get_running_loop())
+        log.info("loading variant %s into Triton (%s)", variant, loaded.ensemble)
+        await self.host.load_model(loaded.ensemble)  # its engine step loads with it
+        return loaded
 
     async def check_health(self) -> None:
         """Serve calls this every ``health_check_period_s``; raising marks the replica
         unhealthy (three failures in a row and Serve replaces it)."""
-        if not await self.host.is_ready(self.model.entry_model()):
+        # A pool has no fixed model to ask for: its shared preprocessing stands in.
+        model = "preprocessing" if self.model.variants else self.model.entry_model()
+        if not await self.host.is_ready(model):
             raise RuntimeError(
-                f"Triton is not ready: the server exited or {self.model.entry_model()} "
-                "is not loaded"
+                f"Triton is not ready: the server exited or {model} is not loaded"
             )
 
     def __del__(self):
@@ -57,3 +87,38 @@ class TritonReplica:
                 host.stop()
             except Exception:
                 log.exception("stopping Triton failed")
+
+
+class LoadedVariant:
+    """A variant loaded in this replica's Triton.
+
+    Serve's multiplexer calls ``__del__`` when it evicts the variant (from a worker
+    thread), and the garbage collector may call it again later: the unload runs
+    once, on the replica's event loop, where the host's client lives.
+    """
+
+    def __init__(self, host: TritonHost, variant: str, loop: asyncio.AbstractEventLoop):
+        self.host = host
+        self.variant = variant
+        self.ensemble = f"ensemble-{variant}"
+        self.engine = f"tensorrt_llm-{variant}"
+        self._loop = loop
+        self._unloaded = False
+
+    async def unload(self) -> None:
+        # The ensemble first (no new requests reach the engine), then its engine:
+        # Triton does not unload an ensemble's steps unless asked, and the shared
+        # pre/postprocessing must stay for the other variants.
+        for name in (self.ensemble, self.engine):
+            await self.host.unload_model(name)
+        log.info("unloaded variant %s from Triton", self.variant)
+
+    def __del__(self):
+        if self._unloaded or self._loop.is_closed():
+            return
+        self._unloaded = True
+        future = asyncio.run_coroutine_threadsafe(self.unload(), self._loop)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # a worker thread (Serve's eviction): wait for the unload
+            future.result(timeout=300)

@@ -85,22 +85,24 @@ class InProcessHost:
         repository: Path | str,
         start_timeout_s: float = 300.0,
         backend_directory: str | None = None,
+        startup_models: tuple[str, ...] = ("*",),
     ):
         self.repository = Path(repository).resolve()
+        self._startup_models = list(startup_models)
         self._start_timeout_s = start_timeout_s
         self._backend_directory = backend_directory
         self._server: tritonserver.Server | None = None
         self._engine_steps: dict[str, str] = {}
 
     def options(self) -> tritonserver.Options:
-        """Explicit model control with every model loaded at start: what the sidecar
-        serves, and load/unload still work. Strict configs, as the sidecar's
+        """Explicit model control with ``startup_models`` loaded at start ("*": all), as
+        the sidecar does; load/unload work. Strict configs, as the sidecar's
         ``--disable-auto-complete-config``."""
         extra = {"backend_directory": self._backend_directory} if self._backend_directory else {}
         return tritonserver.Options(
             model_repository=str(self.repository),
             model_control_mode=tritonserver.ModelControlMode.EXPLICIT,
-            startup_models=["*"],
+            startup_models=self._startup_models,
             strict_model_config=True,
             log_error=True,
             log_warn=True,

@@ -51,9 +51,9 @@ def tokenizer_dir(repository: Path) -> Path:
     return path if path.is_absolute() else repository / path
 
 
-def engine_batch_size(repository: Path) -> int:
+def engine_batch_size(repository: Path, engine: str = contract.TENSORRT_LLM) -> int:
     """Sequences the engine runs at once: the torch engine's and TensorRT-LLM's
     ``max_batch_size`` parameter, else the model's own ``max_batch_size``."""
-    config = read_config(repository, contract.TENSORRT_LLM)
+    config = read_config(repository, engine)
     value = _parameter(config, "max_batch_size")
     return int(value) if value.isdigit() and int(value) > 0 else max(config.max_batch_size, 1)

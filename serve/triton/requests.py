@@ -31,6 +31,7 @@ class GenerateParams:
     stop: tuple[str, ...] = ()
     return_log_probs: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    variant: str | None = None  # a multiplexed pool's variant (its own Triton ensemble)
 
 
 @dataclass(frozen=True)

@@ -45,19 +45,22 @@ def decide_mode(mode: str, in_process_reason: str | None) -> str:
     return "sidecar"
 
 
-def _sidecar(config: TritonConfig) -> TritonHost:
+def _sidecar(config: TritonConfig, startup_models: tuple[str, ...]) -> TritonHost:
     from serve.triton.sidecar import SidecarHost
 
-    return SidecarHost(config.repository_path(), config.start_timeout_s)
+    return SidecarHost(config.repository_path(), config.start_timeout_s, startup_models)
 
 
-def _in_process(config: TritonConfig) -> TritonHost:
+def _in_process(config: TritonConfig, startup_models: tuple[str, ...]) -> TritonHost:
     from serve.triton.in_process import InProcessHost
 
-    return InProcessHost(config.repository_path(), config.start_timeout_s)
+    return InProcessHost(
+        config.repository_path(), config.start_timeout_s, startup_models=startup_models
+    )
 
 
-HOSTS: dict[str, Callable[[TritonConfig], TritonHost]] = {
+HostFactory = Callable[[TritonConfig, tuple[str, ...]], TritonHost]
+HOSTS: dict[str, HostFactory] = {
     "in_process": _in_process,
     "sidecar": _sidecar,
 }
@@ -65,12 +68,14 @@ HOSTS: dict[str, Callable[[TritonConfig], TritonHost]] = {
 
 def choose_host(
     config: TritonConfig,
+    startup_models: tuple[str, ...] = ("*",),
     probe: Callable[[], str | None] = in_process_unavailable_reason,
-    hosts: dict[str, Callable[[TritonConfig], TritonHost]] = HOSTS,
+    hosts: dict[str, HostFactory] = HOSTS,
 ) -> TritonHost:
-    """The replica's Triton host, not yet started."""
+    """The replica's Triton host, not yet started; it loads ``startup_models`` ("*":
+    the whole repository) at start."""
     reason = None if config.mode == "sidecar" else probe()
     mode = decide_mode(config.mode, reason)
     why = f" (in-process unavailable: {reason})" if reason and mode == "sidecar" else ""
     log.info("Triton host: %s (triton.mode %s)%s", mode, config.mode, why)
-    return hosts[mode](config)
+    return hosts[mode](config, startup_models)

@@ -73,9 +73,14 @@ class SidecarHost:
         self,
         repository: Path | str,
         start_timeout_s: float = 300.0,
-        extra_args: tuple[str, ...] = (),
+        startup_models: tuple[str, ...] = ("*",),
     ):
-        self.process = TritonProcess(Path(repository), extra_args=extra_args)
+        # Explicit model control, so that load_model/unload_model work; the models
+        # loaded at start ("*": all of them) are what the replica serves at once.
+        loads = tuple(f"--load-model={m}" for m in startup_models)
+        self.process = TritonProcess(
+            Path(repository), extra_args=("--model-control-mode=explicit", *loads)
+        )
         self._start_timeout_s = start_timeout_s
         self._clients: dict[asyncio.AbstractEventLoop, grpc_aio.InferenceServerClient] = {}
         self._engine_steps: dict[str, str] = {}

@@ -169,6 +169,13 @@ def serve_config(repository: Path, **model_overrides) -> dict:
     return config
 
 
+def app_config(models: list[dict]) -> dict:
+    """The shipped serve/config.yaml serving ``models`` (AppConfig's ``models`` list)."""
+    config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
+    config["applications"][0]["args"]["models"] = models
+    return config
+
+
 def child_pids(pid: int) -> list[int]:
     """Direct children of ``pid``, started from any of its threads (a replica starts
     its Triton from a worker thread)."""
@@ -186,3 +193,19 @@ def process_name(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+def triton_http_url(replica: dict) -> str:
+    """The loopback HTTP address of a replica's sidecar Triton (from its command line)."""
+    for pid in child_pids(replica["pid"]):
+        if process_name(pid) == "tritonserver":
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            ports = [a.split(b"=")[1] for a in cmdline if a.startswith(b"--http-port=")]
+            return f"http://127.0.0.1:{ports[0].decode()}"
+    raise AssertionError(f"replica {replica['replica_id']} has no Triton child")
+
+
+def triton_index(replica: dict) -> dict[str, str]:
+    """The replica's Triton repository index: model name to state."""
+    response = httpx.post(f"{triton_http_url(replica)}/v2/repository/index", json={}, timeout=10)
+    return {m["name"]: m.get("state", "") for m in response.json()}

@@ -20,19 +20,12 @@ import httpx
 import pytest
 
 from tests.fuzzing import server_errors
-from tests.integration.cluster import RayCluster, child_pids, process_name, serve_config
+from tests.integration.cluster import child_pids, process_name, serve_config
 from tests.integration.repositories import repository_with_limits
 
 pytestmark = pytest.mark.integration
 MODEL = "tritonllm-default"
 TRITON = f"Triton-{MODEL}"
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    cluster = RayCluster(num_cpus=4).start()
-    yield cluster
-    cluster.stop()
 
 
 def complete(url: str, timeout_s: float = 60, **body) -> httpx.Response:

@@ -51,7 +51,8 @@ def test_the_probe_tells_the_truth_about_this_machine():
 
 def record(picked: list[str]):
     return {
-        mode: (lambda config, m=mode: picked.append(m) or m) for mode in ("in_process", "sidecar")
+        mode: (lambda config, startup, m=mode: picked.append(m) or m)
+        for mode in ("in_process", "sidecar")
     }
 
 

@@ -40,7 +40,7 @@ def test_config_errors_name_the_bad_field(args, field):
 def test_the_shipped_serve_config_validates():
     config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
     args = AppConfig.model_validate(config["applications"][0]["args"])
-    assert args.default_model.id == "tritonllm-default"
+    assert args.default_target[0].id == "tritonllm-default"
 
 
 def test_the_tokenizer_comes_from_the_preprocessing_config(built_repository, checkpoint_dir):
@@ -120,3 +120,20 @@ def test_a_chat_prompt_gets_exactly_one_bos(tokenizer):
 def test_sidecar_errors_are_classified_by_their_message(message, kind):
     error = classify(message)
     assert (error.kind, str(error)) == (kind, message)
+
+
+def test_a_pool_of_variants_resolves_by_variant_and_loads_on_demand():
+    config = AppConfig.model_validate(
+        {"models": [{"id": "base"}, {"id": "pool", "variants": ["a", "b"]}]}
+    )
+    pool = config.model("pool")
+    assert config.resolve("a") == (pool, "a") and config.resolve("base")[1] is None
+    assert config.resolve("pool") == (pool, None) and config.resolve("zzz") is None
+    assert config.served_ids() == ["base", "a", "b"]
+    assert pool.entry_models() == ["ensemble-a", "ensemble-b"]
+    assert pool.startup_models() == ("preprocessing", "postprocessing")
+    assert config.model("base").startup_models() == ("*",)
+    with pytest.raises(ValidationError, match="unique"):
+        AppConfig.model_validate({"models": [{"id": "a"}, {"id": "pool", "variants": ["a"]}]})
+    with pytest.raises(ValidationError, match="variants"):
+        AppConfig.model_validate({"models": [{"id": "p", "variants": ["x/../y"]}]})
