@@ -222,7 +222,7 @@ def pytest_in_process() -> str:
 
     if in_process_unavailable_reason():
         raise Skip(in_process_unavailable_reason())
-    module = "tests/integration/test_in_process_host.py"
+    module = "tests/integration/test_triton_hosts.py"
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", module], cwd=ROOT)
     if result.returncode != 0:
         raise AssertionError(f"pytest {module} exited {result.returncode}")

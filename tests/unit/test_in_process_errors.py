@@ -1,6 +1,6 @@
 """The in-process host's error mapping, on any machine.
 
-The real host runs in tests/integration/test_in_process_host.py where ``tritonserver``
+The real host runs in tests/integration/test_triton_hosts.py where ``tritonserver``
 loads. Here a stand-in module provides only the exception classes the API exports
 (``tritonserver/__init__.py``: TritonError and its typed subclasses): the mapping
 from those types to GenerationError is this project's code, and that is under test.

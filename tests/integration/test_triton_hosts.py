@@ -1,0 +1,140 @@
+"""Both Triton hosts of a replica against a real Triton, with the same test cases.
+
+The sidecar runs everywhere. The in-process host runs where the official
+``tritonserver`` API loads (the GPU image, Python 3.12; ``scripts/gpu_smoke.sh``
+runs this module there); elsewhere its cases are skipped with the import error (the
+cp312 wheel needs GLIBCXX_3.4.32, which Debian 12 lacks: DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve.triton.host import GenerationError
+from serve.triton.requests import GenerateParams
+from serve.triton.select import in_process_unavailable_reason
+from tests.integration.test_inflight_batching import wait_for
+from tests.reference import hf_greedy
+from tritonllm import contract
+
+pytestmark = pytest.mark.integration
+IN_PROCESS_REASON = in_process_unavailable_reason()
+
+
+def start_host(kind: str, repository):
+    if kind == "in_process":
+        if IN_PROCESS_REASON is not None:
+            pytest.skip(f"in-process Triton API unavailable: {IN_PROCESS_REASON}")
+        from serve.triton.in_process import InProcessHost
+
+        return InProcessHost(repository).start()
+    from serve.triton.sidecar import SidecarHost
+
+    return SidecarHost(repository).start()
+
+
+@pytest.fixture(scope="module", params=["sidecar", "in_process"])
+def host(request, built_repository):
+    # One in-process server per test process: a second one would share the Python
+    # backend's shared-memory names and the metrics registry with the first.
+    host = start_host(request.param, built_repository)
+    yield host
+    host.stop()
+
+
+def run(host, coroutine_fn):
+    """Run ``coroutine_fn()`` in a fresh event loop (the sidecar keeps a gRPC channel
+    per loop, closed here)."""
+
+    async def scenario():
+        try:
+            return await coroutine_fn()
+        finally:
+            close = getattr(host, "close", None)
+            if close is not None:
+                await close()
+
+    return asyncio.run(scenario())
+
+
+def collect(host, params, limit=None):
+    """``generate``'s chunks; stop reading after ``limit`` of them."""
+
+    async def chunks():
+        got = []
+        async for chunk in host.generate(params):
+            got.append(chunk)
+            if limit is not None and len(got) >= limit:
+                break
+        return got
+
+    return run(host, chunks)
+
+
+def engine_metrics(host) -> dict[str, float]:
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(run(host, host.metrics))
+        for sample in family.samples
+        if sample.name.startswith("tritonllm_engine")
+    }
+
+
+@pytest.mark.parametrize("max_tokens", [3, 40])
+def test_chunks_join_into_generate_and_the_last_gives_the_reason(
+    host, tokenizer, hf_model, max_tokens
+):
+    chunks = collect(host, GenerateParams("Where is the river?", max_tokens))
+    expected = hf_greedy(hf_model, tokenizer, "Where is the river?", max_tokens)
+    assert "".join(c.text for c in chunks) == tokenizer.decode(expected, skip_special_tokens=True)
+    assert all(c.finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].text == ""
+    assert chunks[-1].num_output_tokens == len(expected)
+    assert chunks[-1].finish_reason == ("length" if len(expected) == max_tokens else "stop")
+
+
+def test_triton_errors_arrive_with_their_kind_and_message(host):
+    with pytest.raises(GenerationError, match="max_tokens must be > 0") as info:
+        collect(host, GenerateParams("The cat", 0))
+    assert info.value.kind == GenerationError.INVALID
+    assert collect(host, GenerateParams("The cat", 2))[-1].num_output_tokens == 2
+
+
+def test_abandoning_a_generation_frees_the_engine(host):
+    counter = "tritonllm_engine_generated_tokens_total"
+    before = engine_metrics(host)[counter]
+    # min_tokens keeps the model writing: 480 tokens unless it is stopped.
+    chunks = collect(host, GenerateParams("The cat", 480, min_tokens=480), limit=3)
+    assert len(chunks) == 3
+    wait_for(lambda: engine_metrics(host)["tritonllm_engine_running_sequences"] == 0, 10)
+    wait_for(lambda: engine_metrics(host)[counter] > before)
+    assert engine_metrics(host)[counter] - before < 100
+
+
+def test_metrics_and_the_repository_index(host):
+    metrics = run(host, host.metrics)
+    assert "nv_inference_request_success" in metrics
+    assert "tritonllm_engine_generated_tokens_total" in metrics
+    assert run(host, host.model_index) == {m: "READY" for m in contract.MODELS}
+
+
+def test_unload_and_load_a_model(host):
+    run(host, lambda: host.unload_model(contract.ENSEMBLE))
+    wait_for(lambda: run(host, host.model_index)[contract.ENSEMBLE] == "UNAVAILABLE", 30)
+    assert not run(host, host.is_ready)
+    run(host, lambda: host.load_model(contract.ENSEMBLE))
+    assert run(host, host.is_ready)
+    assert collect(host, GenerateParams("The cat", 2))[-1].num_output_tokens == 2
+
+
+def test_readiness_follows_the_server(host):
+    # Last in this module: it stops the shared server (the fixture's stop is a no-op then).
+    assert run(host, host.is_ready)
+    host.stop()
+    assert not run(host, host.is_ready)
+    with pytest.raises(GenerationError) as info:
+        collect(host, GenerateParams("The cat", 2))
+    assert info.value.retryable
