@@ -7,11 +7,12 @@ embeddings repositories built side by side from all-MiniLM-L6-v2:
   so requests that queue while the model runs share its next forward;
 - ``batching off``: no ``dynamic_batching``, so every request is its own execute.
 
-Each is served by its own Triton (both up, driven in turn at each concurrency), over
-gRPC (tritonclient), by closed-loop clients (each sends its next request when the
-last one is answered), one sentence per request. Figures: requests/s over the wall time
-of a level, p50/p99 latency, and the mean batch Triton formed (its statistics API:
-inferences / executions over the level). Writes JSON next to the scratch repositories.
+Each is served by its own Triton (both up; at each concurrency they take turns, for
+several rounds), over gRPC (tritonclient), by closed-loop clients (each sends its
+next request when the last one is answered), one sentence per request. Figures,
+pooled over the rounds: requests/s over the time spent at the level, p50/p99
+latency, and the mean batch Triton formed (its statistics API: inferences /
+executions). Writes JSON next to the scratch repositories.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,18 +45,46 @@ WORDS = (
 
 @dataclass
 class Level:
+    """One repository at one concurrency, pooled over the rounds."""
+
     name: str
     concurrency: int
-    requests: int
-    seconds: float
-    p50_ms: float
-    p99_ms: float
-    mean_batch: float
-    errors: int
+    requests: int = 0
+    seconds: float = 0.0
+    inferences: int = 0  # texts Triton ran (its statistics)
+    executions: int = 0  # model executes Triton made for them
+    errors: int = 0
+    latencies: list[float] = field(default_factory=list, repr=False)
 
     @property
     def requests_per_s(self) -> float:
         return self.requests / self.seconds
+
+    @property
+    def p50_ms(self) -> float:
+        return 1000 * percentile(self.latencies, 0.5)
+
+    @property
+    def p99_ms(self) -> float:
+        return 1000 * percentile(self.latencies, 0.99)
+
+    @property
+    def mean_batch(self) -> float:
+        """Texts per execute."""
+        return self.inferences / self.executions if self.executions else float("nan")
+
+    def add(self, other: Level) -> None:
+        self.requests += other.requests
+        self.seconds += other.seconds
+        self.inferences += other.inferences
+        self.executions += other.executions
+        self.errors += other.errors
+        self.latencies += other.latencies
+
+    def summary(self) -> dict:
+        fields = ("name", "concurrency", "requests", "seconds", "errors")
+        figures = ("requests_per_s", "p50_ms", "p99_ms", "mean_batch")
+        return {k: getattr(self, k) for k in (*fields, *figures)}
 
 
 def make_sentences(count: int, seed: int = 0, words: tuple[int, int] = (6, 30)) -> list[str]:
@@ -67,11 +96,11 @@ def make_sentences(count: int, seed: int = 0, words: tuple[int, int] = (6, 30)) 
     ]
 
 
-def mean_batch(before: dict, after: dict) -> float:
-    """Texts per execute between two statistics snapshots of one model."""
+def counts(before: dict, after: dict) -> tuple[int, int]:
+    """Inferences (texts) and executions between two statistics snapshots of one model."""
     inferences = int(after["inference_count"]) - int(before.get("inference_count", 0))
     executions = int(after["execution_count"]) - int(before.get("execution_count", 0))
-    return inferences / executions if executions else float("nan")
+    return inferences, executions
 
 
 # -- the repositories ---------------------------------------------------------------
@@ -157,21 +186,16 @@ def run_level(url: str, name: str, sentences: list[str], concurrency: int) -> Le
     seconds = time.perf_counter() - start
     after = statistics(stats_client)
     stats_client.close()
+    inferences, executions = counts(before, after)
     return Level(
-        name,
-        concurrency,
-        len(latencies),
-        seconds,
-        1000 * percentile(latencies, 0.5),
-        1000 * percentile(latencies, 0.99),
-        mean_batch(before, after),
-        errors[0],
+        name, concurrency, len(latencies), seconds, inferences, executions, errors[0], latencies
     )
 
 
-def run_levels(repositories: dict[str, Path], sentences: list[str], levels, per_client):
-    """Both Tritons up at once; at each concurrency each repository in turn, so a change
-    in the machine's load falls on both (an idle Triton costs next to nothing)."""
+def run_levels(repositories: dict[str, Path], sentences: list[str], levels, per_client, rounds):
+    """Both Tritons up at once. At each concurrency the repositories take turns, in
+    alternating order round after round (on, off, off, on, ...), so a change in the
+    machine's load falls on both alike (an idle Triton costs next to nothing)."""
     from serve.triton.launcher import TritonProcess
 
     results = []
@@ -184,10 +208,13 @@ def run_levels(repositories: dict[str, Path], sentences: list[str], levels, per_
         for name, server in servers.items():
             run_level(server.grpc_url, name, sentences[:16], 4)  # warm-up
         for c in levels:
-            for name, server in servers.items():
-                console.log(f"{name}: concurrency {c}")
-                batch = sentences[: c * per_client]
-                results.append(run_level(server.grpc_url, name, batch, c))
+            pooled = {name: Level(name, c) for name in servers}
+            for r in range(rounds):
+                for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
+                    console.log(f"{name}: concurrency {c}, round {r + 1}/{rounds}")
+                    batch = sentences[: c * per_client]
+                    pooled[name].add(run_level(servers[name].grpc_url, name, batch, c))
+            results += pooled.values()
     return results
 
 
@@ -240,7 +267,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
-    p.add_argument("--requests-per-client", type=int, default=16)
+    p.add_argument("--requests-per-client", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=4, help="turns per repository and level")
     p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
     p.add_argument("--delay-us", type=int, default=batching.max_queue_delay_us)
     p.add_argument(
@@ -270,11 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     repositories = build_repositories(args.scratch, on, off)
     sentences = make_sentences(max(levels) * args.requests_per_client, args.seed)
-    results = run_levels(repositories, sentences, levels, args.requests_per_client)
+    results = run_levels(repositories, sentences, levels, args.requests_per_client, args.rounds)
     console.print(report(results))
     out = args.scratch / "results.json"
     summary = {"options": {"on": asdict(on), "off": asdict(off)}, "levels": levels}
-    runs = [{**asdict(lv), "requests_per_s": lv.requests_per_s} for lv in results]
+    runs = [level.summary() for level in results]
     out.write_text(json.dumps({**summary, "runs": runs}, indent=2) + "\n")
     console.log(f"wrote {out}; Triton's logs: {args.scratch}/*.log")
     return 0

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import math
 
-from bench.embeddings import Level, make_sentences, mean_batch, rows
+from bench.embeddings import Level, counts, make_sentences, rows
 
 
-def test_mean_batch_is_texts_per_execute_between_two_snapshots():
+def test_counts_are_the_differences_of_two_statistics_snapshots():
     before = {"inference_count": "10", "execution_count": "10"}
     after = {"inference_count": "74", "execution_count": "14"}  # 64 texts in 4 executes
-    assert mean_batch(before, after) == 16.0
-    assert mean_batch({}, {"inference_count": "3", "execution_count": "3"}) == 1.0  # first use
-    assert math.isnan(mean_batch(after, after))
+    assert counts(before, after) == (64, 4)
+    assert counts({}, before) == (10, 10)  # a model's first use has no counters yet
+
+
+def test_rounds_pool_into_one_level():
+    level = Level("batching on", 32)
+    level.add(Level("batching on", 32, 64, 2.0, 64, 4, 0, [0.1] * 64))
+    level.add(Level("batching on", 32, 32, 6.0, 32, 12, 1, [0.3] * 32))
+    assert level.requests_per_s == 12.0  # 96 requests in 8 s
+    assert level.mean_batch == 6.0  # 96 texts in 16 executes
+    assert level.p50_ms == 100.0 and level.p99_ms == 300.0 and level.errors == 1
+    assert math.isnan(Level("batching off", 1).mean_batch)
 
 
 def test_sentences_are_seeded_and_vary_in_length():
@@ -23,8 +32,8 @@ def test_sentences_are_seeded_and_vary_in_length():
 
 def test_the_report_compares_each_level_with_batching_off():
     levels = [
-        Level("batching on", 32, 100, 1.0, 50.0, 90.0, 16.0, 0),
-        Level("batching off", 32, 100, 4.0, 400.0, 700.0, 1.0, 0),
+        Level("batching on", 32, 100, 1.0, 100, 6, 0, [0.05] * 100),
+        Level("batching off", 32, 100, 4.0, 100, 100, 0, [0.4] * 100),
     ]
     table = rows(levels)
     assert [row[0] for row in table] == ["batching off", "batching on"]
