@@ -12,6 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from build_engines.embeddings import EmbeddingsOptions
 from serve.triton.client import infer_inputs
 from serve.triton.host import GenerationError
 from serve.triton.sidecar import SidecarHost
@@ -115,18 +116,24 @@ def test_the_sidecar_host_answers_infer(host, client):
     async def scenario():
         try:
             good = await host.infer(contract.EMBEDDINGS, text_tensor(SENTENCES[:2]))
-            with pytest.raises(GenerationError, match="text is empty") as info:
+            with pytest.raises(GenerationError, match="text is empty") as empty:
                 await host.infer(contract.EMBEDDINGS, text_tensor([""]))
-            return good, info.value, await host.is_ready(contract.EMBEDDINGS)
+            # More texts than max_batch_size in one request: the caller must split them.
+            limit = EmbeddingsOptions().max_batch_size
+            too_many = text_tensor(["a"] * (limit + 1))
+            with pytest.raises(GenerationError, match=f"batch-size must be <= {limit}") as large:
+                await host.infer(contract.EMBEDDINGS, too_many)
+            errors = (empty.value, large.value)
+            return good, errors, await host.is_ready(contract.EMBEDDINGS)
         finally:
             await host.close()
 
-    outputs, error, ready = asyncio.run(scenario())
+    outputs, errors, ready = asyncio.run(scenario())
     assert set(outputs) == {"embedding", "num_tokens"}
     assert outputs["embedding"].shape == (2, 384) and outputs["embedding"].dtype == np.float32
     assert outputs["num_tokens"].shape == (2, 1) and outputs["num_tokens"].dtype == np.int32
     expected, counts = embed(client, SENTENCES[:2])
     np.testing.assert_allclose(outputs["embedding"], expected, atol=1e-5)
     assert outputs["num_tokens"].tolist() == counts.tolist()
-    assert error.kind == GenerationError.INVALID
+    assert [e.kind for e in errors] == [GenerationError.INVALID] * 2
     assert ready
