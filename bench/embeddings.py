@@ -26,6 +26,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import median
 
 import numpy as np
 from rich.console import Console
@@ -55,6 +56,7 @@ class Level:
     executions: int = 0  # model executes Triton made for them
     errors: int = 0
     latencies: list[float] = field(default_factory=list, repr=False)
+    round_rates: list[float] = field(default_factory=list)  # requests/s of each round
 
     @property
     def requests_per_s(self) -> float:
@@ -80,9 +82,10 @@ class Level:
         self.executions += other.executions
         self.errors += other.errors
         self.latencies += other.latencies
+        self.round_rates.append(other.requests_per_s)
 
     def summary(self) -> dict:
-        fields = ("name", "concurrency", "requests", "seconds", "errors")
+        fields = ("name", "concurrency", "requests", "seconds", "errors", "round_rates")
         figures = ("requests_per_s", "p50_ms", "p99_ms", "mean_batch")
         return {k: getattr(self, k) for k in (*fields, *figures)}
 
@@ -132,7 +135,7 @@ def build_repositories(scratch: Path, on, off) -> dict[str, Path]:
 # -- the load -----------------------------------------------------------------------
 
 
-async def statistics(client) -> dict:
+async def triton_statistics(client) -> dict:
     from tritonllm import contract
 
     stats = await client.get_inference_statistics(contract.EMBEDDINGS, as_json=True)
@@ -172,11 +175,11 @@ async def drive(url: str, name: str, sentences: list[str], concurrency: int) -> 
             latencies.append(time.perf_counter() - start)
 
     try:
-        before = await statistics(client)
+        before = await triton_statistics(client)
         start = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         seconds = time.perf_counter() - start
-        inferences, executions = counts(before, await statistics(client))
+        inferences, executions = counts(before, await triton_statistics(client))
     finally:
         await client.close()
     return Level(
@@ -220,9 +223,16 @@ def run_levels(repositories: dict[str, Path], sentences: list[str], levels, per_
 COLUMNS = ("run", "conc.", "reqs", "req/s", "x off", "p50 ms", "p99 ms", "mean batch", "errors")
 
 
+def speedup(level: Level, base: Level) -> float:
+    """The median over rounds of requests/s against the batching-off run of the same
+    round: each pair ran back to back, so a burst of load elsewhere on the machine
+    skews one pair, not the figure."""
+    ratios = [a / b for a, b in zip(level.round_rates, base.round_rates, strict=True)]
+    return median(ratios) if ratios else level.requests_per_s / base.requests_per_s
+
+
 def rows(levels: list[Level]) -> list[tuple[str, ...]]:
-    """Table rows by concurrency, batching off first; "x off" is requests/s against the
-    batching-off run at the same concurrency."""
+    """Table rows by concurrency, batching off first; "x off": :func:`speedup`."""
     off = {lv.concurrency: lv for lv in levels if lv.name == "batching off"}
     table = []
     for level in sorted(levels, key=lambda lv: (lv.concurrency, lv.name != "batching off")):
@@ -233,7 +243,7 @@ def rows(levels: list[Level]) -> list[tuple[str, ...]]:
                 str(level.concurrency),
                 str(level.requests),
                 f"{level.requests_per_s:.0f}",
-                f"{level.requests_per_s / base.requests_per_s:.2f}" if base else "",
+                f"{speedup(level, base):.2f}" if base else "",
                 f"{level.p50_ms:.1f}",
                 f"{level.p99_ms:.1f}",
                 f"{level.mean_batch:.1f}",
