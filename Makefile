@@ -22,14 +22,19 @@ BENCH       ?=
 FORCE       ?=
 TRTLLM_CONFIG ?=
 REPO        ?= model_repository
+EMB_REPO    ?= embedding_repository
 TRITON_HTTP_PORT    ?= 8010
 TRITON_GRPC_PORT    ?= 8011
 TRITON_METRICS_PORT ?= 8012
+EMB_TRITON_HTTP_PORT    ?= 8020
+EMB_TRITON_GRPC_PORT    ?= 8021
+EMB_TRITON_METRICS_PORT ?= 8022
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
 SMOKE_ARGS  ?=
 
-.PHONY: venv engines run triton test test-unit lint bench-engine gpu-smoke clean-engines clean
+.PHONY: venv engines run triton triton-embeddings test test-unit lint bench-engine \
+	bench-embeddings gpu-smoke clean-engines clean
 
 ifeq ($(NO_VENV),1)
 venv:
@@ -44,8 +49,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
 
+# Both repositories: the LLM's ($(REPO)) and the embeddings model's ($(EMB_REPO)).
 engines: venv
 	$(PY) -m build_engines --target $(TARGET) --repository $(REPO) \
+		--embedding-repository $(EMB_REPO) \
 		$(if $(MODEL),--model '$(MODEL)') $(if $(BENCH),--size bench) $(if $(FORCE),--force) \
 		$(if $(TRTLLM_CONFIG),--trtllm-config '$(TRTLLM_CONFIG)')
 
@@ -63,6 +70,12 @@ triton: venv
 		--http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) \
 		--metrics-port $(TRITON_METRICS_PORT)
 
+# The embeddings model's own Triton (beside `make triton`: other ports).
+triton-embeddings: venv
+	$(PY) -m serve.triton.launcher --model-repository $(EMB_REPO) \
+		--http-port $(EMB_TRITON_HTTP_PORT) --grpc-port $(EMB_TRITON_GRPC_PORT) \
+		--metrics-port $(EMB_TRITON_METRICS_PORT)
+
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -79,12 +92,17 @@ bench-engine: venv
 gpu-smoke: venv
 	scripts/gpu_smoke.sh $(SMOKE_ARGS)
 
+# all-MiniLM-L6-v2 through Triton with dynamic batching on vs off, side by side
+# (scratch repositories in build/bench-embeddings). Figures, not a test.
+bench-embeddings: venv
+	$(PY) -m bench.embeddings $(BENCH_ARGS)
+
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
 clean-engines:
-	$(PY) -m build_engines --clean --repository $(REPO)
+	$(PY) -m build_engines --clean --repository $(REPO) --embedding-repository $(EMB_REPO)
 
 clean: clean-engines
 	rm -rf $(VENV)

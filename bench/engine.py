@@ -79,7 +79,7 @@ def build_bench_repository(scratch: Path, max_batch_size: int, num_threads: int)
     repository = scratch / "model_repository"
     # Refreshed every run, so the scratch copy serves this checkout's model code.
     ModelRepository(ROOT / "model_repository").copy_layout(repository)
-    command = [sys.executable, "-m", "build_engines", "--size", "bench"]
+    command = [sys.executable, "-m", "build_engines", "--only", "llm", "--size", "bench"]
     command += ["--repository", str(repository), "--max-batch-size", str(max_batch_size)]
     command += ["--num-threads", str(num_threads)]
     subprocess.run(command, check=True, cwd=ROOT)

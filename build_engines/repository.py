@@ -1,4 +1,10 @@
-"""Paths of a model repository, and which of its files a build generates."""
+"""Paths of a model repository, and which of its files a build generates.
+
+Two repositories, each served by its own Triton: the LLM's (``model_repository/``:
+ensemble, preprocessing, tensorrt_llm, postprocessing) and the embeddings'
+(``embedding_repository/``: embeddings). In each, one model's version folder holds the
+weights a build writes (``<weights_model>/1/hf_model``).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,13 @@ MANIFEST = ".build.json"
 
 
 class ModelRepository:
+    """The LLM's repository."""
+
+    models = contract.MODELS
+    weights_model = contract.TENSORRT_LLM
+    kind = "model repository"
+    option = "--repository model_repository"  # how the CLI names it, for error messages
+
     def __init__(self, root: Path | str):
         self.root = Path(root).resolve()
 
@@ -28,7 +41,7 @@ class ModelRepository:
 
     @property
     def engine_version_dir(self) -> Path:
-        return self.model_dir(contract.TENSORRT_LLM) / "1"
+        return self.model_dir(self.weights_model) / "1"
 
     @property
     def default_checkpoint_dir(self) -> Path:
@@ -43,12 +56,11 @@ class ModelRepository:
             return str(path)
 
     def check_layout(self) -> None:
-        missing = [m for m in contract.MODELS if not self.model_dir(m).is_dir()]
+        missing = [m for m in self.models if not self.model_dir(m).is_dir()]
         if missing:
             raise FileNotFoundError(
-                f"{self.root} is not this project's model repository "
-                f"(missing {', '.join(missing)}); "
-                "run from the project root or pass --repository model_repository"
+                f"{self.root} is not this project's {self.kind} "
+                f"(missing {', '.join(missing)}); run from the project root or pass {self.option}"
             )
 
     def read_manifest(self) -> dict | None:
@@ -63,11 +75,11 @@ class ModelRepository:
     def generated_paths(self) -> list[Path]:
         """Everything a build writes (all git-ignored); the tracked files stay."""
         paths = [self.root / MANIFEST]
-        paths += [self.config_path(m) for m in contract.MODELS]
+        paths += [self.config_path(m) for m in self.models]
         paths += [p for p in self.engine_version_dir.iterdir() if p.name != "model.py"]
         return [p for p in paths if p.exists()]
 
-    def copy_layout(self, destination: Path) -> ModelRepository:
+    def copy_layout(self, destination: Path):
         """The tracked files (templates, model.py adapters) under ``destination``, none of
         what a build writes; refreshes an existing copy in place."""
         generated = {p.resolve() for p in self.generated_paths()}
@@ -79,7 +91,7 @@ class ModelRepository:
             ],
             dirs_exist_ok=True,
         )
-        return ModelRepository(destination)
+        return type(self)(destination)
 
     def clean(self) -> list[Path]:
         removed = self.generated_paths()
@@ -92,3 +104,12 @@ class ModelRepository:
 
     def size_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+
+
+class EmbeddingRepository(ModelRepository):
+    """The embeddings model's repository (its own Triton, CPU or GPU independently)."""
+
+    models = contract.EMBEDDING_MODELS
+    weights_model = contract.EMBEDDINGS
+    kind = "embeddings repository"
+    option = "--embedding-repository embedding_repository"

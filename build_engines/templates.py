@@ -3,6 +3,7 @@
 This plays the role of upstream's ``fill_template.py``: ``${name}`` placeholders
 are replaced, and ``${inputs}`` / ``${outputs}`` are rendered from
 :mod:`tritonllm.contract`, so the tensor contract is written down once.
+``${dynamic_batching}`` becomes a ``dynamic_batching`` block, or nothing when off.
 """
 
 from __future__ import annotations
@@ -10,39 +11,75 @@ from __future__ import annotations
 import string
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tritonllm import contract
+
+if TYPE_CHECKING:  # targets import this module
+    from build_engines.targets.base import DynamicBatching
 
 
 class TemplateError(ValueError):
     pass
 
 
-def render_tensors(kind: str, tensors: Iterable[contract.Tensor], tensorrtllm: bool = False) -> str:
+def render_tensors(
+    kind: str, tensors: Iterable[contract.Tensor], tensorrtllm: bool = False, ragged: bool = False
+) -> str:
     """``input [ ... ]`` or ``output [ ... ]`` in config.pbtxt syntax.
 
     ``tensorrtllm``: the input attributes of NVIDIA's tensorrt_llm/config.pbtxt for the
     C++ backend: ``[1]`` inputs reach it as scalars (``reshape: { shape: [ ] }``) and
     variable-length ones may be batched ragged (``allow_ragged_batch: true``).
+
+    ``ragged`` marks variable-size inputs ``allow_ragged_batch``: without it Triton's
+    dynamic batcher only merges requests whose shapes are equal (stop words of other
+    lengths would never share an execute). A Python-backend model reads each request's
+    tensors apart, so ragged batches need nothing more from it.
     """
     entries = []
     for t in tensors:
         dims = ", ".join(str(d) for d in t.dims)
         extra = " optional: true" if t.optional else ""
-        if tensorrtllm and kind == "input":
-            if t.dims == (1,):
-                extra += " reshape: { shape: [ ] }"
-            elif -1 in t.dims:
-                extra += " allow_ragged_batch: true"
+        if kind == "input" and tensorrtllm and t.dims == (1,):
+            extra += " reshape: { shape: [ ] }"
+        if kind == "input" and (tensorrtllm or ragged) and -1 in t.dims:
+            extra += " allow_ragged_batch: true"
         head = f'name: "{t.name}" data_type: {t.triton_dtype} dims: [ {dims} ]'
         entries.append(f"  {{ {head}{extra} }}")
     return f"{kind} [\n" + ",\n".join(entries) + "\n]"
 
 
-def fill(template: Path, model: str, values: dict[str, object], tensorrtllm: bool = False) -> str:
-    inputs, outputs = contract.MODELS[model]
+def render_dynamic_batching(batching: DynamicBatching, max_batch_size: int) -> str:
+    """A ``dynamic_batching { ... }`` block, or the empty string when batching is off."""
+    if not batching.enabled:
+        return ""
+    too_large = [s for s in batching.preferred_batch_sizes if not 0 < s <= max_batch_size]
+    if too_large:
+        raise TemplateError(
+            f"preferred batch sizes {too_large} must lie in 1..{max_batch_size} "
+            "(the model's max_batch_size): lower --preferred-batch-sizes"
+        )
+    if batching.max_queue_delay_us < 0:
+        raise TemplateError("--dynamic-batching-delay-us must be >= 0")
+    sizes = ", ".join(str(s) for s in batching.preferred_batch_sizes)
+    preferred = f"preferred_batch_size: [ {sizes} ] " if sizes else ""
+    return (
+        f"dynamic_batching {{ {preferred}"
+        f"max_queue_delay_microseconds: {batching.max_queue_delay_us} }}"
+    )
+
+
+def fill(
+    template: Path,
+    model: str,
+    values: dict[str, object],
+    tensorrtllm: bool = False,
+    ragged: bool = False,
+) -> str:
+    inputs, outputs = contract.ALL_MODELS[model]
     mapping = {
-        "inputs": render_tensors("input", inputs, tensorrtllm),
+        "inputs": render_tensors("input", inputs, tensorrtllm, ragged),
         "outputs": render_tensors("output", outputs, tensorrtllm),
         **{k: str(v) for k, v in values.items()},
     }

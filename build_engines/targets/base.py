@@ -10,6 +10,20 @@ from build_engines.repository import ModelRepository
 
 
 @dataclass(frozen=True)
+class DynamicBatching:
+    """Triton's ``dynamic_batching`` on the Python-backend steps (preprocessing,
+    postprocessing, embeddings): requests queued while a model instance is busy are
+    handed to one ``execute`` together. Off, each request is its own execute."""
+
+    enabled: bool = True
+    # Batch sizes Triton sends at once when the queue holds them; empty: wait for
+    # max_batch_size or the queue delay, whichever comes first.
+    preferred_batch_sizes: tuple[int, ...] = ()
+    # How long the oldest queued request may wait for others while a batch is short.
+    max_queue_delay_us: int = 100
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     """Serving limits written into the configs (the same names as TensorRT-LLM's)."""
 
@@ -22,6 +36,7 @@ class EngineOptions:
     dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
     num_threads: int = 0  # engine torch threads; 0: all cores for prefill, all but one for decode
     preprocessing_instance_count: int = 1
+    dynamic_batching: DynamicBatching = field(default_factory=DynamicBatching)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,11 @@ _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
+# Python-backend steps that read each request's tensors apart, so a dynamic batch may
+# mix shapes (stop words of different lengths, streamed and whole token batches).
+RAGGED = (contract.PREPROCESSING, contract.POSTPROCESSING)
+
+
 class CheckpointError(ValueError):
     pass
 
@@ -103,23 +108,27 @@ class TorchTarget:
 
     def _fill_configs(self, spec: BuildSpec, repo: ModelRepository, checkpoint_ref: str) -> None:
         for model, values in config_values(spec.options, checkpoint_ref).items():
-            text = templates.fill(repo.template_path(model, self.name), model, values)
+            template = repo.template_path(model, self.name)
+            text = templates.fill(template, model, values, ragged=model in RAGGED)
             repo.config_path(model).write_text(text)
 
 
 def config_values(o: EngineOptions, checkpoint_ref: str) -> dict[str, dict]:
     """The template values of the four models for a checkpoint served by the torch engine."""
     common = {"triton_max_batch_size": o.triton_max_batch_size}
+    batching = templates.render_dynamic_batching(o.dynamic_batching, o.triton_max_batch_size)
     return {
         contract.ENSEMBLE: common,
         contract.PREPROCESSING: {
             **common,
+            "dynamic_batching": batching,
             "tokenizer_dir": checkpoint_ref,
             "add_special_tokens": "true",
             "preprocessing_instance_count": o.preprocessing_instance_count,
         },
         contract.POSTPROCESSING: {
             **common,
+            "dynamic_batching": batching,
             "tokenizer_dir": checkpoint_ref,
             "skip_special_tokens": "true",
         },

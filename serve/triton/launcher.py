@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     server = TritonProcess(args.model_repository, args.http_port, args.grpc_port, args.metrics_port)
-    if not (server.model_repository / "ensemble" / "config.pbtxt").exists():
+    if not any(server.model_repository.glob("*/config.pbtxt")):
         print(f"{server.model_repository} is not built: run `make engines` first", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: server.stop())

@@ -14,6 +14,7 @@ def repository_with_limits(checkpoint_dir: Path, destination: Path, *build_args:
     """Copy the tracked repository layout to ``destination`` and fill it for
     ``checkpoint_dir`` with ``build_args`` (e.g. ``--max-batch-size 1``)."""
     ModelRepository(ROOT / "model_repository").copy_layout(destination)
-    command = [sys.executable, "-m", "build_engines", "--repository", str(destination)]
+    command = [sys.executable, "-m", "build_engines", "--only", "llm"]
+    command += ["--repository", str(destination)]
     subprocess.run([*command, "--model", str(checkpoint_dir), *build_args], check=True, cwd=ROOT)
     return destination

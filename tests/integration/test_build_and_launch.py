@@ -27,7 +27,16 @@ def test_the_default_model_is_deterministic(tmp_path, built_repository, checkpoi
     copy = tmp_path / "model_repository"
     shutil.copytree(built_repository, copy, ignore=shutil.ignore_patterns("hf_model"))
     subprocess.run(
-        [sys.executable, "-m", "build_engines", "--repository", str(copy), "--force"],
+        [
+            sys.executable,
+            "-m",
+            "build_engines",
+            "--only",
+            "llm",
+            "--repository",
+            str(copy),
+            "--force",
+        ],
         check=True,
         cwd=ROOT,
         capture_output=True,
@@ -36,11 +45,11 @@ def test_the_default_model_is_deterministic(tmp_path, built_repository, checkpoi
         assert digest(copy / "tensorrt_llm/1/hf_model" / name) == digest(checkpoint_dir / name)
 
 
-def test_a_build_leaves_git_status_clean(built_repository):
+def test_a_build_leaves_git_status_clean(built_repository, built_embedding_repository):
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
     status = subprocess.run(
-        ["git", "status", "--porcelain", "--", "model_repository"],
+        ["git", "status", "--porcelain", "--", "model_repository", "embedding_repository"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -51,7 +60,8 @@ def test_a_build_leaves_git_status_clean(built_repository):
 
 def test_a_second_build_is_skipped(built_repository):
     out = subprocess.run(
-        [sys.executable, "-m", "build_engines", "--repository", str(built_repository)],
+        [sys.executable, "-m", "build_engines", "--only", "llm"]
+        + ["--repository", str(built_repository)],
         cwd=ROOT,
         capture_output=True,
         text=True,

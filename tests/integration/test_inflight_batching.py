@@ -17,6 +17,7 @@ from serve.triton.client import Stream, ensemble_values, generate
 from tests.integration.repositories import repository_with_limits
 from tests.reference import hf_greedy
 from tests.unit.test_engine import SIXTEEN_PROMPTS
+from tritonllm import contract
 
 pytestmark = pytest.mark.integration
 
@@ -30,6 +31,18 @@ def engine_metrics(server) -> dict[str, float]:
         for sample in family.samples
         if sample.name.startswith("tritonllm_engine")
     }
+
+
+def step_statistics(server, model: str) -> dict[str, int]:
+    """Triton's counters of one model: inferences (batch rows) and executions."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    finally:
+        client.close()
+    return {key: int(stats.get(key, 0)) for key in ("inference_count", "execution_count")}
 
 
 def wait_for(condition, timeout_s: float = 30) -> None:
@@ -52,6 +65,7 @@ def test_sixteen_staggered_requests_each_equal_generate_alone(triton, tokenizer,
             end_id=0,
         ).text
 
+    before = step_statistics(triton, contract.POSTPROCESSING)
     threads = []
     for i, prompt in enumerate(SIXTEEN_PROMPTS):
         max_tokens = 6 + (i * 7) % 29
@@ -63,6 +77,11 @@ def test_sixteen_staggered_requests_each_equal_generate_alone(triton, tokenizer,
     for i, prompt in enumerate(SIXTEEN_PROMPTS):
         expected = hf_greedy(hf_model, tokenizer, prompt, 6 + (i * 7) % 29, end_id=0)
         assert results[i] == tokenizer.decode(expected, skip_special_tokens=True), prompt
+    # Postprocessing's dynamic batcher merged chunks of different sequences (and shapes:
+    # streamed and whole) into shared executes, and every text above still came out right.
+    after = step_statistics(triton, contract.POSTPROCESSING)
+    inferences = after["inference_count"] - before["inference_count"]
+    assert after["execution_count"] - before["execution_count"] < inferences
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(triton):

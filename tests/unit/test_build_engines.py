@@ -63,3 +63,43 @@ def test_copy_layout_takes_the_tracked_files_and_nothing_a_build_wrote(built_rep
     assert "tensorrt_llm/1/model.py" in files and "tensorrt_llm/config.pbtxt.torch.in" in files
     assert not [f for f in files if f.endswith("config.pbtxt") or "hf_model" in f]
     assert ".build.json" not in files
+
+
+@pytest.fixture
+def embedding_copy(tmp_path):
+    from build_engines.repository import EmbeddingRepository
+    from tests.conftest import EMBEDDING_REPOSITORY
+
+    return EmbeddingRepository(EMBEDDING_REPOSITORY).copy_layout(tmp_path / "embedding_repository")
+
+
+def test_cli_fills_the_embeddings_repository_from_the_package(
+    embedding_copy, embedding_model_dir, capsys
+):
+    args = ["--only", "embeddings", "--embedding-repository", str(embedding_copy.root)]
+    assert main(args) == 0
+    weights = embedding_copy.default_checkpoint_dir / "model.safetensors"
+    assert weights.read_bytes() == (embedding_model_dir / "model.safetensors").read_bytes()
+    assert "dynamic_batching {" in embedding_copy.config_path("embeddings").read_text()
+    assert "built in" in capsys.readouterr().err
+    assert main([*args, "--no-dynamic-batching"]) == 0
+    assert "up to date" in capsys.readouterr().err  # options refill the config only
+    assert "dynamic_batching {" not in embedding_copy.config_path("embeddings").read_text()
+    assert main([*args, "--clean"]) == 0
+    files = {p.relative_to(embedding_copy.root).as_posix() for p in embedding_copy.root.rglob("*")}
+    assert files == {
+        "embeddings",
+        "embeddings/1",
+        "embeddings/1/model.py",
+        "embeddings/config.pbtxt.in",
+    }
+
+
+def test_cli_refuses_what_the_embeddings_server_cannot_run(embedding_copy, tmp_path, capsys):
+    args = ["--only", "embeddings", "--embedding-repository", str(embedding_copy.root)]
+    assert main([*args, "--embeddings-model", str(tmp_path)]) == 2
+    assert "no modules.json" in capsys.readouterr().err
+    assert main([*args, "--preferred-batch-sizes", "8,x"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert main([*args, "--preferred-batch-sizes", "64"]) == 2
+    assert "must lie in 1..32" in capsys.readouterr().err
