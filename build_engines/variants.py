@@ -27,7 +27,7 @@ from tritonclient.grpc import model_config_pb2
 from build_engines import templates
 from build_engines.repository import ModelRepository
 from build_engines.targets.base import BuildReport, EngineOptions, Reporter
-from build_engines.targets.torch_engine import config_values, validate_checkpoint
+from build_engines.targets.torch_engine import RAGGED, config_values, validate_checkpoint
 from tritonllm import contract
 
 VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -117,7 +117,8 @@ def build_variants(
             repo.model_dir(model),
             ignore=shutil.ignore_patterns("*.in", "config.pbtxt", "__pycache__"),
         )
-        text = templates.fill(source.template_path(model, "torch"), model, values[model])
+        template = source.template_path(model, "torch")
+        text = templates.fill(template, model, values[model], ragged=model in RAGGED)
         repo.config_path(model).write_text(text)
     for name, checkpoint in checkpoints.items():
         _write_variant(source, repo, name, checkpoint, options)

@@ -37,11 +37,13 @@ def deploy_config(base: dict, gpus_per_replica: float = 1, port: int = 8000) -> 
 
 
 def triton_actor_options(args: dict) -> list[dict]:
-    """The ``ray_actor_options`` of the Triton replicas in AppConfig's args, one per
-    served model (``models[].deployment``)."""
+    """The ``ray_actor_options`` of the LLM's Triton replicas in AppConfig's args, one
+    per generate model (``models[].deployment``). Embeddings models stay on CPU: a
+    GPU each would idle next to an LLM that needs it."""
     return [
         model.setdefault("deployment", {}).setdefault("ray_actor_options", {})
         for model in args["models"]
+        if model.get("task", "generate") == "generate"
     ]
 
 

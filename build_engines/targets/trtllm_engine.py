@@ -23,8 +23,8 @@ from pathlib import Path
 
 from build_engines import default_model, templates
 from build_engines.repository import ModelRepository
-from build_engines.targets.base import BuildReport, BuildSpec, Reporter
-from build_engines.targets.torch_engine import source_digest, validate_checkpoint
+from build_engines.targets.base import BuildReport, BuildSpec, DynamicBatching, Reporter
+from build_engines.targets.torch_engine import RAGGED, source_digest, validate_checkpoint
 from build_engines.trtllm_settings import (
     CLI_OVERRIDES,
     SettingsError,
@@ -117,7 +117,12 @@ class TrtllmTarget:
             self._build_engine(settings, checkpoint, repo, reporter)
             copy_tokenizer(checkpoint, repo.engine_version_dir / TOKENIZER_DIR)
         reporter.stage("filling the model configs")
-        fill_configs(settings, repo, spec.options.preprocessing_instance_count)
+        fill_configs(
+            settings,
+            repo,
+            spec.options.preprocessing_instance_count,
+            spec.options.dynamic_batching,
+        )
         repo.write_manifest(fingerprint)
         return BuildReport(
             self.name,
@@ -185,10 +190,19 @@ def copy_tokenizer(checkpoint: Path, destination: Path) -> None:
         raise RuntimeError(f"{checkpoint} has no tokenizer files to copy next to the engine")
 
 
-def fill_configs(settings: TrtllmSettings, repo: ModelRepository, preprocessing_instances=1):
-    """The four configs for the tensorrtllm backend, all from ``settings``."""
+def fill_configs(
+    settings: TrtllmSettings,
+    repo: ModelRepository,
+    preprocessing_instances: int = 1,
+    batching: DynamicBatching | None = None,
+):
+    """The four configs for the tensorrtllm backend, all from ``settings`` (and the
+    pre/postprocessing's dynamic batching)."""
     tokenizer_ref = repo.reference(repo.engine_version_dir / TOKENIZER_DIR)
     common = {"triton_max_batch_size": settings.triton_batch}
+    dynamic_batching = templates.render_dynamic_batching(
+        batching or DynamicBatching(), settings.triton_batch
+    )
     flags = {
         k: str(v).lower() if isinstance(v, bool) else v
         for k, v in dataclasses.asdict(settings).items()
@@ -198,12 +212,14 @@ def fill_configs(settings: TrtllmSettings, repo: ModelRepository, preprocessing_
         contract.ENSEMBLE: common,
         contract.PREPROCESSING: {
             **common,
+            "dynamic_batching": dynamic_batching,
             "tokenizer_dir": tokenizer_ref,
             "add_special_tokens": "true",
             "preprocessing_instance_count": preprocessing_instances,
         },
         contract.POSTPROCESSING: {
             **common,
+            "dynamic_batching": dynamic_batching,
             "tokenizer_dir": tokenizer_ref,
             "skip_special_tokens": "true",
         },
@@ -212,6 +228,10 @@ def fill_configs(settings: TrtllmSettings, repo: ModelRepository, preprocessing_
     for model, model_values in values.items():
         template = repo.template_path(model, TrtllmTarget.name)
         text = templates.fill(
-            template, model, model_values, tensorrtllm=model == contract.TENSORRT_LLM
+            template,
+            model,
+            model_values,
+            tensorrtllm=model == contract.TENSORRT_LLM,
+            ragged=model in RAGGED,
         )
         repo.config_path(model).write_text(text)

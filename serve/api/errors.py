@@ -9,6 +9,7 @@ the details only in the log with the request id) into
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -72,6 +73,15 @@ class Overloaded(APIError):
         return {"Retry-After": str(self.retry_after_s)}
 
 
+# pydantic names the union member that failed in an error's location ("str",
+# "list[str]", "function-after[...]"): not part of the parameter's name.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|\w+[-\w]*\[.*\])$")
+
+
+def _not_a_field(part) -> bool:
+    return part in ("body", "query") or (isinstance(part, str) and bool(_UNION_MEMBER.match(part)))
+
+
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
@@ -84,7 +94,7 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, error: RequestValidationError):
         first = error.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if p not in ("body", "query")) or None
+        param = ".".join(str(p) for p in first["loc"] if not _not_a_field(p)) or None
         return error_response(APIError(f"{param}: {first['msg']}", param=param))
 
     @app.exception_handler(StarletteHTTPException)

@@ -135,8 +135,8 @@ class EmbeddingRequest(BaseModel):
     @classmethod
     def _texts(cls, value):
         texts = [value] if isinstance(value, str) else value
-        if not texts or not all(texts):
-            raise ValueError("input holds one or more non-empty strings")
+        if not 1 <= len(texts) <= 2048 or not all(texts):
+            raise ValueError("input holds 1 to 2048 non-empty strings (as OpenAI's API)")
         return value
 
     @property

@@ -6,13 +6,16 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+import numpy as np
 from ray import serve
 
 from serve.config import ModelConfig
 from serve.metrics import TritonMetricsExporter
+from serve.triton import repository
 from serve.triton.host import GenerationError, TritonHost
 from serve.triton.requests import GenerateParams, GenerationChunk
 from serve.triton.select import choose_host
+from tritonllm import contract
 
 log = logging.getLogger("ray.serve")
 
@@ -40,6 +43,9 @@ class TritonReplica:
         await asyncio.to_thread(self.host.start)
         self._metrics = TritonMetricsExporter(self.host.metrics)
         self._metrics.start()
+        if model.task == "embed":  # texts per Triton request (a longer list is split)
+            config = repository.read_config(model.triton.repository_path(), model.entry_model())
+            self._embed_batch = max(config.max_batch_size, 1)
         if model.variants:
 
             async def load(variant: str) -> LoadedVariant:
@@ -58,6 +64,18 @@ class TritonReplica:
         async for chunk in self.host.generate(params, triton_model):
             yield chunk
 
+    async def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
+        """One L2-normalised vector per text (in order) and the tokens read. The
+        batches go to Triton at once: its dynamic batcher merges them with other
+        callers' into full executes."""
+        size = self._embed_batch
+        batches = [texts[i : i + size] for i in range(0, len(texts), size)]
+        outputs = await asyncio.gather(
+            *(self.host.infer(self.model.entry_model(), _texts(batch)) for batch in batches)
+        )
+        vectors = np.concatenate([o["embedding"] for o in outputs]).astype(np.float32)
+        return vectors, int(sum(o["num_tokens"].sum() for o in outputs))
+
     async def _load_variant(self, variant: str) -> LoadedVariant:
         if variant not in self.model.variants:
             raise GenerationError(f"unknown variant {variant!r}", GenerationError.INVALID)
@@ -72,9 +90,7 @@ class TritonReplica:
         # A pool has no fixed model to ask for: its shared preprocessing stands in.
         model = "preprocessing" if self.model.variants else self.model.entry_model()
         if not await self.host.is_ready(model):
-            raise RuntimeError(
-                f"Triton is not ready: the server exited or {model} is not loaded"
-            )
+            raise RuntimeError(f"Triton is not ready: the server exited or {model} is not loaded")
 
     def __del__(self):
         # Serve deletes a replica after draining it; Triton must not outlive it.
@@ -87,6 +103,12 @@ class TritonReplica:
                 host.stop()
             except Exception:
                 log.exception("stopping Triton failed")
+
+
+def _texts(batch: list[str]) -> dict[str, np.ndarray]:
+    return {
+        contract.EMBEDDINGS_INPUTS[0].name: np.array([[t.encode()] for t in batch], dtype=object)
+    }
 
 
 class LoadedVariant:

@@ -158,10 +158,12 @@ class RayCluster:
 
 
 def serve_config(repository: Path, **model_overrides) -> dict:
-    """The shipped serve/config.yaml over ``repository``, with one model's fields replaced
-    (``deployment`` is merged key by key)."""
+    """The shipped serve/config.yaml's LLM alone over ``repository``, with its fields
+    replaced (``deployment`` is merged key by key)."""
     config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
-    model = config["applications"][0]["args"]["models"][0]
+    args = config["applications"][0]["args"]
+    args["models"] = args["models"][:1]
+    model = args["models"][0]
     model["triton"]["model_repository"] = str(repository)
     deployment = model_overrides.pop("deployment", {})
     model.update(model_overrides)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import yaml
@@ -18,13 +19,14 @@ import yaml
 from serve.triton.launcher import free_port
 from tests.conftest import ROOT
 from tests.integration.repositories import repository_with_limits
+from tests.unit.test_embeddings import SENTENCES, cosine
 
 pytestmark = pytest.mark.integration
 MODEL = "tritonllm-default"
 
 
 @pytest.fixture(scope="module")
-def app_url(checkpoint_dir, tmp_path_factory):
+def app_url(checkpoint_dir, built_embedding_repository, tmp_path_factory):
     """`serve run` on the project's config, over a one-slot repository of the default model
     (one slot makes "the abandoned request was freed" observable)."""
     scratch = tmp_path_factory.mktemp("serve")
@@ -82,7 +84,7 @@ MESSAGES = [{"role": "user", "content": "Where is the cat?"}]
 
 
 def test_models_are_listed_in_openai_format(client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, "all-MiniLM-L6-v2"]
     assert client.models.retrieve(MODEL).id == MODEL
 
 
@@ -196,3 +198,51 @@ def test_a_client_that_disconnects_mid_stream_frees_the_engine(app_url, client):
     start = time.monotonic()
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
     assert time.monotonic() - start < full_s / 2, (time.monotonic() - start, full_s)
+
+
+EMBEDDINGS = "all-MiniLM-L6-v2"
+
+
+def test_embeddings_equal_the_models_own_output_and_rank_similar_sentences(
+    client, embedding_model_dir
+):
+    from sentence_transformers import SentenceTransformer
+
+    sentences = SENTENCES[:4]
+    reply = client.embeddings.create(model=EMBEDDINGS, input=sentences)  # base64 on the wire
+    vectors = np.array([d.embedding for d in reply.data])
+    reference = SentenceTransformer(str(embedding_model_dir), device="cpu").encode(sentences)
+    assert [d.index for d in reply.data] == [0, 1, 2, 3]
+    assert (cosine(vectors, reference) > 0.9999).all()
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens > len(sentences)
+    similar, unrelated = cosine(vectors[0], vectors[1]), cosine(vectors[0], vectors[2])
+    assert similar > unrelated + 0.3
+    one = client.embeddings.create(model=EMBEDDINGS, input=sentences[0], encoding_format="float")
+    assert cosine(np.array(one.data[0].embedding), vectors[0]) > 0.9999
+    assert EMBEDDINGS in [m.id for m in client.models.list().data]
+
+
+def test_a_long_input_list_is_split_over_requests_in_order(client):
+    texts = [f"sentence number {i} about a cat" for i in range(150)]  # > max_batch_size
+    reply = client.embeddings.create(model=EMBEDDINGS, input=texts)
+    alone = client.embeddings.create(model=EMBEDDINGS, input=texts[137]).data[0].embedding
+    assert len(reply.data) == 150
+    assert cosine(np.array(reply.data[137].embedding), np.array(alone)) > 0.9999
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": EMBEDDINGS, "input": ""}, 400, "input"),
+        ({"model": EMBEDDINGS, "input": [1, 2, 3]}, 400, "input"),
+        ({"model": EMBEDDINGS, "input": "x", "dimensions": 8}, 400, "dimensions"),
+        ({"model": MODEL, "input": "x"}, 404, "model"),
+        ({"model": EMBEDDINGS, "prompt": "x"}, 404, "model"),
+    ],
+)
+def test_bad_embedding_requests_get_error_objects(app_url, client, body, status, param):
+    path = "/v1/completions" if "prompt" in body else "/v1/embeddings"
+    response = httpx.post(f"{app_url}{path}", json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+    assert client.embeddings.create(model=EMBEDDINGS, input="still serving").data

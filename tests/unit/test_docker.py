@@ -125,8 +125,9 @@ def test_the_deployed_serve_config_is_valid_for_serve(tmp_path, source, gpus):
 def test_deploy_config_changes_only_what_a_container_needs():
     base = load_base()
     config = deploy_config(base, gpus_per_replica=0.5)
-    (model,) = config["applications"][0]["args"]["models"]
-    (base_model,) = base["applications"][0]["args"]["models"]
+    model, embeddings = config["applications"][0]["args"]["models"]
+    base_model, base_embeddings = base["applications"][0]["args"]["models"]
+    assert embeddings == base_embeddings  # on CPU in a GPU cluster too
     assert model["triton"] == base_model["triton"]
     assert config["proxy_location"] == "EveryNode"
     assert base["http_options"]["host"] == "127.0.0.1"  # serve/config.yaml itself untouched
@@ -137,7 +138,7 @@ def test_deploy_config_changes_only_what_a_container_needs():
     }
 
 
-def test_deploy_config_reserves_gpus_for_every_served_model():
+def test_deploy_config_reserves_gpus_for_every_llm_and_none_for_embeddings():
     # AppConfig with one Serve deployment of Triton replicas per model.
     base = {
         "applications": [
@@ -148,6 +149,7 @@ def test_deploy_config_reserves_gpus_for_every_served_model():
                     "models": [
                         {"id": "a", "deployment": {"ray_actor_options": {"num_cpus": 2}}},
                         {"id": "b"},
+                        {"id": "e", "task": "embed"},
                     ]
                 },
             }
@@ -155,6 +157,7 @@ def test_deploy_config_reserves_gpus_for_every_served_model():
     }
     args = deploy_config(base, gpus_per_replica=1)["applications"][0]["args"]
     assert triton_actor_options(args) == [{"num_cpus": 2, "num_gpus": 1}, {"num_gpus": 1}]
+    assert "num_gpus" not in str(args["models"][2])
     assert (
         "num_gpus"
         not in base["applications"][0]["args"]["models"][0]["deployment"]["ray_actor_options"]

@@ -62,7 +62,8 @@ def test_cluster_runs_the_gpu_image_and_the_tested_ray(docs):
 def test_gpu_workers_hold_what_a_replica_asks(docs):
     served = yaml.safe_load(docs["RayService"]["spec"]["serveConfigV2"])
     models = served["applications"][0]["args"]["models"]
-    wanted = max(m["deployment"]["ray_actor_options"]["num_gpus"] for m in models)
+    wanted = max(m["deployment"]["ray_actor_options"].get("num_gpus", 0) for m in models)
+    assert wanted >= 1
     for group in docs["RayService"]["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
         (container,) = group["template"]["spec"]["containers"]
         assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= wanted
