@@ -33,7 +33,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS  ?=
 SMOKE_ARGS  ?=
 
-.PHONY: venv engines run triton triton-embeddings test test-unit lint bench-engine \
+.PHONY: venv engines run triton triton-embeddings test test-unit lint bench bench-engine \
 	bench-embeddings gpu-smoke clean-engines clean
 
 ifeq ($(NO_VENV),1)
@@ -81,6 +81,12 @@ test: venv
 
 test-unit: venv
 	$(PY) -m pytest -m 'not integration' $(PYTEST_ARGS)
+
+# The whole stack against its baselines on the ~30M bench model, side by side:
+# Serve + transformers pipeline, Triton alone, this stack (README "Performance").
+# build/bench/results.json, serving.png and a table; BENCH_ARGS=--help for the options.
+bench: venv
+	$(PY) -m bench.serving $(BENCH_ARGS)
 
 # The torch engine through Triton vs one-at-a-time generate() on the ~30M bench
 # model (built into build/bench-engine, not model_repository). Figures, not a test.

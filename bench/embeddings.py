@@ -32,7 +32,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench.engine import percentile
+from bench.common import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 console = Console(soft_wrap=True, width=132)

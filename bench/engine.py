@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import subprocess
 import sys
 import threading
 import time
@@ -30,13 +28,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
-console = Console(soft_wrap=True, width=132)
+from bench.common import (
+    ROOT,
+    build_bench_repository,
+    checkpoint_dir,
+    make_prompts,
+    percentile,
+)
 
-WORDS = (
-    "the a robot cat river town teacher letter server request builds sends answers near "
-    "old many long small writes reads every morning while and then because sea window"
-).split()
+console = Console(soft_wrap=True, width=132)
 
 
 @dataclass
@@ -57,33 +57,7 @@ class Level:
         return self.output_tokens / self.seconds
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-
-def make_prompts(count: int, words: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(count)]
-
-
 # -- the engine through Triton ------------------------------------------------------
-
-
-def build_bench_repository(scratch: Path, max_batch_size: int, num_threads: int) -> Path:
-    """The tracked repository layout plus the bench model, outside the working tree's own."""
-    from build_engines.repository import ModelRepository
-
-    repository = scratch / "model_repository"
-    # Refreshed every run, so the scratch copy serves this checkout's model code.
-    ModelRepository(ROOT / "model_repository").copy_layout(repository)
-    command = [sys.executable, "-m", "build_engines", "--only", "llm", "--size", "bench"]
-    command += ["--repository", str(repository), "--max-batch-size", str(max_batch_size)]
-    command += ["--num-threads", str(num_threads)]
-    subprocess.run(command, check=True, cwd=ROOT)
-    return repository
 
 
 def one_request(url: str, prompt: str, output_len: int) -> tuple[float, float, list[float], int]:
@@ -325,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     levels_c = [int(c) for c in args.concurrency.split(",")]
     repository = build_bench_repository(args.scratch, args.max_batch_size, args.num_threads)
-    checkpoint = repository / "tensorrt_llm" / "1" / "hf_model"
+    checkpoint = checkpoint_dir(repository)
     prompts = make_prompts(max(levels_c) * args.requests_per_client + 8, args.prompt_words)
     console.log(f"torch {torch.__version__}, {torch.get_num_threads()} threads; baseline")
     baseline = one_at_a_time_generate(

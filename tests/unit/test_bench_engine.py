@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from bench.engine import Level, check_targets, percentile, queued_ahead
+from bench.common import percentile
+from bench.engine import Level, check_targets, queued_ahead
 
 
 def test_queued_ahead_counts_earlier_requests_still_waiting_for_a_first_token():

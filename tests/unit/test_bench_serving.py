@@ -1,0 +1,149 @@
+"""The serving benchmark's own logic: figures, refusals, ratios, targets, its Serve config.
+
+The benchmark itself is a tool, not a test (tests/integration/test_bench_serving.py runs
+a tiny smoke of it end to end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from bench import report
+from bench.loadgen import RequestRecord, _read_events, _refused, summarize
+from bench.serving import level_plan, serve_config
+from serve.config import AppConfig
+
+
+def record(sent, arrivals, end, tokens=3, **kw) -> RequestRecord:
+    return RequestRecord(sent=sent, arrivals=arrivals, end=end, tokens=tokens, **kw)
+
+
+def test_summarize_measures_ttft_itl_and_e2e_of_completed_requests_only():
+    records = [
+        record(0.0, [0.1, 0.2, 0.4], 0.5),
+        record(1.0, [1.3, 1.4, 1.5], 1.6),
+        record(2.0, [], 2.0, tokens=0, rejected=True),
+        record(3.0, [3.2], 3.3, tokens=1, error="1 tokens instead of 3"),
+    ]
+    figures = summarize(records, seconds=2.0)
+    assert figures["requests"] == 4 and figures["completed"] == 2
+    assert figures["errors"] == 1 and figures["rejected_503"] == 1
+    assert figures["output_tokens_per_s"] == 3.0  # 6 tokens of completed requests / 2 s
+    assert figures["requests_per_s"] == 1.0
+    assert figures["ttft_p50_ms"] == pytest.approx(100)  # nearest rank of [100, 300]
+    assert figures["ttft_p99_ms"] == pytest.approx(300)
+    assert sorted(round(x) for x in (figures["itl_p50_ms"], figures["itl_p99_ms"])) == [100, 200]
+    assert figures["e2e_p99_ms"] == pytest.approx(600)
+    assert figures["first_errors"] == ["1 tokens instead of 3"]
+
+
+def test_a_503_is_a_rejection_only_with_retry_after():
+    polite, rude, broken = (RequestRecord(sent=0.0) for _ in range(3))
+    _refused(polite, 503, {"retry-after": "1"}, "busy")
+    _refused(rude, 503, {}, "busy")
+    _refused(broken, 500, {}, "boom")
+    assert polite.rejected and polite.error is None
+    assert not rude.rejected and "without Retry-After" in rude.error
+    assert broken.error.startswith("HTTP 500")
+
+
+class FakeResponse:
+    def __init__(self, lines):
+        self._lines = lines
+
+    async def aiter_lines(self):
+        for line in self._lines:
+            yield line
+
+
+def read(lines) -> RequestRecord:
+    r = RequestRecord(sent=0.0)
+    asyncio.run(_read_events(FakeResponse(lines), r))
+    return r
+
+
+def test_server_sent_events_count_text_chunks_and_usage():
+    r = read(
+        [
+            'data: {"choices": [{"index": 0, "text": "a"}]}',
+            "",
+            'data: {"choices": [{"index": 0, "text": ""}]}',  # no text: not a token arrival
+            'data: {"choices": [{"index": 0, "text": "b"}]}',
+            'data: {"choices": [], "usage": {"completion_tokens": 3}}',
+            "data: [DONE]",
+        ]
+    )
+    assert len(r.arrivals) == 2 and r.tokens == 3 and r.error is None
+
+
+def test_an_error_event_or_a_cut_stream_is_an_error():
+    assert "boom" in read(['data: {"error": {"message": "boom"}}', "data: [DONE]"]).error
+    assert "without [DONE]" in read(['data: {"choices": [{"text": "a"}]}']).error
+
+
+def test_level_plan_gives_each_client_its_requests_with_a_floor():
+    assert level_plan([1, 4, 16], per_client=2, minimum=8) == [(1, 8), (4, 8), (16, 32)]
+
+
+def level(system, c, tokens_per_s, ttft, errors=0):
+    return {
+        "system": system,
+        "concurrency": c,
+        "output_tokens_per_s": tokens_per_s,
+        "ttft_p50_ms": ttft,
+        "errors": errors,
+    }
+
+
+def test_targets_read_the_ratios_at_each_concurrency():
+    results = [
+        level("pipeline", 16, 50, 9000),
+        level("triton", 16, 300, 400),
+        level("stack", 16, 280, 410),
+        level("triton", 64, 300, 900),
+        level("stack", 64, 200, 990, errors=1),
+    ]
+    rows = {r["concurrency"]: r for r in report.ratios(results)}
+    assert rows[16]["stack_over_pipeline"] == pytest.approx(5.6)
+    assert rows[16]["stack_over_triton"] == pytest.approx(280 / 300)
+    assert rows[64]["ttft_p50_added_ms"] == pytest.approx(90)
+    verdicts = {t["name"]: t["pass"] for t in report.check_targets(results)}
+    assert verdicts == {
+        "(c)/(a) tokens/s at c=16": True,
+        "front door cost, tokens/s at c=16": True,  # 6.7%
+        "front door TTFT p50 added at c=16": True,  # +10 ms
+        "front door cost, tokens/s at c=64": False,  # 33%
+        "front door TTFT p50 added at c=64": False,  # +90 ms
+        "(c) errors up to c=64": False,
+    }
+
+
+def test_the_serve_config_runs_the_stack_on_one_replica_beside_the_baseline(tmp_path):
+    config = serve_config(tmp_path / "repo", 8123, baseline_threads=2)
+    assert config["http_options"]["port"] == 8123
+    stack, baseline = config["applications"]
+    args = AppConfig.model_validate(stack["args"])  # still a valid app config
+    assert [m.task for m in args.models] == ["generate"]  # no embeddings replica beside it
+    deployment = args.models[0].deployment
+    assert deployment.num_replicas == 1 and deployment.autoscaling_config is None
+    assert args.models[0].triton.model_repository == tmp_path / "repo"
+    assert baseline["route_prefix"] == "/baseline"
+    assert baseline["args"]["checkpoint"].endswith("tensorrt_llm/1/hf_model")
+
+
+def test_throughput_mode_turns_on_rays_high_throughput_serving_in_a_private_dir():
+    from bench.serving import serve_mode_env
+
+    with serve_mode_env("default") as env:
+        assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in env and "RAY_ADDRESS" not in env
+    with serve_mode_env("throughput") as env:
+        assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+        socket = env["RAY_SERVE_HAPROXY_SOCKET_PATH"]
+        # HAProxy refuses an admin socket path over 97 bytes (Ray adds a 57-byte folder).
+        assert len(socket) + 57 <= 97 and not socket.startswith("/tmp/haproxy-serve")
+        folder = env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]
+        assert os.path.isdir(folder)
+    assert not os.path.isdir(folder)
