@@ -43,7 +43,7 @@ import httpx
 import yaml
 from rich.console import Console
 
-from bench import report
+from bench import cpu, report
 from bench.common import ROOT, build_bench_repository, checkpoint_dir, make_prompts
 from bench.loadgen import OpenAITarget, TritonTarget, run_level, summarize
 from serve.triton.launcher import TritonProcess
@@ -202,16 +202,25 @@ def level_plan(levels: list[int], per_client: int, minimum: int) -> list[tuple[i
     return [(c, max(c * per_client, minimum)) for c in levels]
 
 
-async def sweep(targets: dict, prompts: list[str], plan, output_len: int) -> list[dict]:
+async def sweep(
+    targets: dict, prompts: list[str], plan, output_len: int, triton_pid: int | None = None
+) -> list[dict]:
     results = []
     for target in targets.values():  # warm-up: first loads, connections, caches
         await run_level(target, prompts[:4], 2, output_len)
     for concurrency, count in plan:
         for name in (n for n in ORDER if n in targets):
+            before = cpu.snapshot()
             records, seconds = await run_level(
                 targets[name], prompts[:count], concurrency, output_len
             )
             result = {"system": name, "concurrency": concurrency, **summarize(records, seconds)}
+            result["cpu_s"] = cpu.by_role(before, cpu.snapshot(), triton_pid)
+            tokens = round(result["output_tokens_per_s"] * seconds)
+            if name == "stack":
+                result["front_door_cpu_ms_per_token"] = cpu.front_door_ms_per_token(
+                    result["cpu_s"], tokens
+                )
             results.append(result)
             if not result["completed"] and not result["rejected_503"]:
                 # A dead system, not a slow one (a `ray stop` elsewhere on this machine
@@ -219,15 +228,22 @@ async def sweep(targets: dict, prompts: list[str], plan, output_len: int) -> lis
                 raise RuntimeError(
                     f"{name} answered nothing at c={concurrency}: {result['first_errors']}"
                 )
-            console.log(
-                f"{name:>8} c={concurrency:<3} {result['output_tokens_per_s']:7.1f} tok/s  "
-                f"TTFT p50 {result['ttft_p50_ms']:7.0f} ms  errors {result['errors']}  "
-                f"503 {result['rejected_503']}"
-                + (f"  {result['first_errors']}" if result["first_errors"] else "")
-            )
+            log_level(result)
     for target in targets.values():
         await target.aclose()
     return results
+
+
+def log_level(result: dict) -> None:
+    front_door = result.get("front_door_cpu_ms_per_token")
+    console.log(
+        f"{result['system']:>8} c={result['concurrency']:<3} "
+        f"{result['output_tokens_per_s']:7.1f} tok/s  "
+        f"TTFT p50 {result['ttft_p50_ms']:7.0f} ms  errors {result['errors']}  "
+        f"503 {result['rejected_503']}"
+        + (f"  front door {front_door:.2f} CPU ms/token" if front_door else "")
+        + (f"  {result['first_errors']}" if result["first_errors"] else "")
+    )
 
 
 def machine() -> dict:
@@ -306,11 +322,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def start_systems(stack: ExitStack, args, systems: set[str], repository: Path) -> dict:
-    """Start what the chosen systems need; their load-generator targets by name."""
+def start_systems(
+    stack: ExitStack, args, systems: set[str], repository: Path
+) -> tuple[dict, int | None]:
+    """Start what the chosen systems need: their load-generator targets by name, and
+    the pid of the Triton that runs alone (its CPU is kept apart)."""
     from serve.triton.launcher import free_port
 
-    targets = {}
+    targets, triton_pid = {}, None
     if systems & {"pipeline", "stack"}:
         config = serve_config(
             repository, free_port(), args.baseline_threads, args.checkpoint, args.gpus_per_replica
@@ -324,7 +343,8 @@ def start_systems(stack: ExitStack, args, systems: set[str], repository: Path) -
         log = stack.enter_context((args.out / "triton.log").open("w"))
         server = stack.enter_context(NicedTriton(repository).start(timeout_s=300, stdout=log))
         targets["triton"] = TritonTarget("triton", server.grpc_url)
-    return targets
+        triton_pid = server.pid
+    return targets, triton_pid
 
 
 class NicedTriton(TritonProcess):
@@ -358,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(max(n for _, n in plan), args.prompt_words, args.seed)
     with ExitStack() as stack:
         console.log(f"starting {', '.join(sorted(systems))} over {repository}")
-        targets = start_systems(stack, args, systems, repository)
-        results = asyncio.run(sweep(targets, prompts, plan, args.output_len))
+        targets, triton_pid = start_systems(stack, args, systems, repository)
+        results = asyncio.run(sweep(targets, prompts, plan, args.output_len, triton_pid))
     write_report(args, argv, repository, results)
     return 0
 

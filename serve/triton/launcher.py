@@ -157,6 +157,10 @@ class TritonProcess:
     def grpc_url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
     def command(self, install: TritonInstall) -> list[str]:
         return [
             str(install.binary),

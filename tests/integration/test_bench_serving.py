@@ -52,6 +52,10 @@ def test_the_serving_benchmark_runs_all_three_systems_and_writes_its_report(
     for level in data["levels"]:
         assert FIELDS <= level.keys(), FIELDS - level.keys()
         assert level["errors"] == 0 and level["completed"] == level["requests"], level
+    stack = [level for level in data["levels"] if level["system"] == "stack"]
+    # CPU by role is read from /proc in 10 ms ticks: a 4-token level may show none.
+    assert any("engine" in level["cpu_s"] for level in stack)
+    assert all("front_door_cpu_ms_per_token" in level for level in stack)
     assert [row["concurrency"] for row in data["ratios"]] == [1, 2]
     assert {"stack_over_pipeline", "stack_over_triton", "ttft_p50_added_ms"} <= set(
         data["ratios"][0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -147,3 +148,51 @@ def test_throughput_mode_turns_on_rays_high_throughput_serving_in_a_private_dir(
         folder = env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]
         assert os.path.isdir(folder)
     assert not os.path.isdir(folder)
+
+
+def test_cpu_by_role_keeps_triton_alone_apart_and_counts_new_processes_from_zero():
+    from bench import cpu
+
+    stub = "triton_python_backend_stub /r/{}/1/model.py"
+    before = {
+        10: (1, 5.0, "tritonserver --model-repository=/r"),  # (b), Triton alone
+        11: (10, 40.0, stub.format("tensorrt_llm")),
+        20: (1, 3.0, "ray::ServeReplica:llm:Triton-tritonllm-default"),
+        21: (20, 2.0, "tritonserver --model-repository=/r"),  # the stack's own Triton
+        22: (21, 30.0, stub.format("tensorrt_llm")),
+        30: (1, 7.0, "ray::ProxyActor"),
+        40: (1, 1.0, "python -m bench.serving"),  # no role: not counted
+    }
+    after = before | {
+        11: (10, 52.5, stub.format("tensorrt_llm")),
+        20: (1, 4.0, "ray::ServeReplica:llm:Triton-tritonllm-default"),
+        22: (21, 41.0, stub.format("tensorrt_llm")),
+        23: (21, 0.5, stub.format("postprocessing")),  # born during the level
+        30: (1, 9.0, "ray::ProxyActor"),
+        31: (1, 1.5, "ray::ServeReplica:llm:OpenAIIngress"),
+        40: (1, 3.0, "python -m bench.serving"),
+    }
+    spent = cpu.by_role(before, after, triton_alone_pid=10)
+    assert spent == {
+        "engine": 11.0,
+        "ingress replica": 1.5,
+        "pre/postprocessing": 0.5,
+        "serve proxy": 2.0,
+        "triton replica": 1.0,
+        "triton:engine": 12.5,
+    }
+    # proxy 2.0 + ingress 1.5 + Triton replica 1.0 over 1,500 tokens
+    assert cpu.front_door_ms_per_token(spent, 1500) == pytest.approx(3.0)
+    assert cpu.front_door_ms_per_token({"engine": 3.0}, 1500) is None
+
+
+def test_cpu_snapshot_reads_this_process():
+    from bench import cpu
+
+    first = cpu.snapshot()[os.getpid()]
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:  # burn a little CPU
+        pass
+    second = cpu.snapshot()[os.getpid()]
+    assert first[0] == os.getppid() and "pytest" in first[2]
+    assert second[1] - first[1] >= 0.2

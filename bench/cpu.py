@@ -1,0 +1,95 @@
+"""CPU seconds by process role over a benchmark level: where the time goes.
+
+On a CPU box the engine and the front door share the same cores, so every CPU second
+the front door spends per token is taken from decoding. Each level reads every
+process's user + system time from ``/proc`` before and after (Linux only; elsewhere
+the figures are simply absent) and sums the difference by role: the engine (the
+``tensorrt_llm`` model's Python stub), pre/postprocessing stubs, Triton's core, Serve's
+HTTP proxy (or HAProxy), the ingress replica, the Triton replica, the pipeline
+baseline, and the rest of Ray. Processes below the Triton that runs alone, (b), are
+kept apart under a ``triton:`` prefix, so each system's figures are its own.
+
+psutil would give the same numbers; it is not a dependency of this project, and the
+two ``/proc`` fields it would read are all this needs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# (substring of the command line, role); the first match wins.
+ROLES = (
+    ("tensorrt_llm", "engine"),  # the stub's command line names its model's path
+    ("triton_python_backend_stub", "pre/postprocessing"),
+    ("tritonserver", "triton core"),
+    ("ray::ProxyActor", "serve proxy"),
+    ("haproxy", "serve proxy"),
+    ("OpenAIIngress", "ingress replica"),
+    ("ServeReplica:llm:Triton-", "triton replica"),
+    ("PipelineBaseline", "pipeline replica"),
+    ("ray", "ray (other)"),
+)
+FRONT_DOOR = ("serve proxy", "ingress replica", "triton replica")
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _read(pid: str) -> tuple[int, float, str] | None:
+    """(parent pid, CPU seconds, command line) of one process; None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS, cmdline
+
+
+def snapshot() -> dict[int, tuple[int, float, str]]:
+    """Every process now: pid -> (parent pid, CPU seconds, command line)."""
+    if not Path("/proc/self/stat").exists():
+        return {}
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (info := _read(entry)) is not None:
+            found[int(entry)] = info
+    return found
+
+
+def _role(cmdline: str) -> str | None:
+    return next((role for key, role in ROLES if key in cmdline), None)
+
+
+def _descendants(processes: dict, root: int | None) -> set[int]:
+    found = {root} if root in processes else set()
+    grew = True
+    while grew:
+        new = {pid for pid, (ppid, _, _) in processes.items() if ppid in found} - found
+        found |= new
+        grew = bool(new)
+    return found
+
+
+def by_role(before: dict, after: dict, triton_alone_pid: int | None = None) -> dict[str, float]:
+    """CPU seconds each role spent between two snapshots (processes born in between
+    count from zero); Triton-alone's processes under ``triton:``."""
+    alone = _descendants(after, triton_alone_pid)
+    spent: dict[str, float] = {}
+    for pid, (_, cpu, cmdline) in after.items():
+        role = _role(cmdline)
+        if role is None:
+            continue
+        if pid in alone:
+            role = f"triton:{role}"
+        earlier = before.get(pid)
+        delta = cpu - (earlier[1] if earlier and earlier[2] == cmdline else 0.0)
+        if delta > 0:
+            spent[role] = round(spent.get(role, 0.0) + delta, 2)
+    return dict(sorted(spent.items()))
+
+
+def front_door_ms_per_token(spent: dict[str, float], tokens: int) -> float | None:
+    """The stack's CPU outside Triton (proxy, ingress, Triton replica) per output token."""
+    if not tokens or not any(role in spent for role in FRONT_DOOR):
+        return None
+    return 1000 * sum(spent.get(role, 0.0) for role in FRONT_DOOR) / tokens
