@@ -6,9 +6,9 @@ of a decoupled request shows without ``enable_empty_final_response`` (the
 asyncio client cannot set it), and a Triton error belongs to exactly one request.
 
 Triton 2.51's ensemble does not pass a client's cancellation on to the
-``tensorrt_llm`` step, so abandoning a generation also sends that step a
-``stop`` request with the same request id (the engine frees the slot within a
-step).
+``tensorrt_llm`` step, so abandoning a generation sends that step a ``stop``
+request with the same request id (the engine frees the slot within a step) and
+reads the stream to its end.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 # words the engines use: the torch engine's and TensorRT-LLM's backend's.
 _UNAVAILABLE = re.compile(r"queue is full|not ready|unavailable|shutting down|cannot process new")
 _INVALID = re.compile(r"must be|must hold|exceeds|is empty|not supported|invalid|outside|unknown")
+
+
+# How long an abandoned request's stream may take to end after its stop (a step or two).
+ABANDON_DRAIN_S = 10.0
 
 
 def classify(message: str) -> GenerationError:
@@ -139,8 +143,27 @@ class SidecarHost:
             yield final_chunk(last, params)
         finally:
             if not done:  # the caller went away (or Triton failed): free the engine
-                responses.cancel()
-                await asyncio.shield(self.cancel(params.request_id, model))
+                await asyncio.shield(self._abandon(responses, params.request_id, model))
+
+    async def _abandon(self, responses, request_id: str, model: str) -> None:
+        """Stop the engine's sequence, then read the stream to its end.
+
+        Cancelling the gRPC stream instead would leave the ensemble's request in flight
+        for good in Triton 2.51 (its steps finish, the ensemble never does): an unload
+        of the ensemble, as multiplexing does, then waits forever. Only a stream that
+        does not end within ``ABANDON_DRAIN_S`` (a wedged Triton) is cancelled.
+        """
+        await self.cancel(request_id, model)
+
+        async def drain() -> None:
+            async for _ in responses:
+                pass
+
+        try:
+            await asyncio.wait_for(drain(), ABANDON_DRAIN_S)
+        except (asyncio.TimeoutError, grpc.RpcError, InferenceServerException) as error:
+            log.warning("request %s did not end after its stop (%r): cancelling", request_id, error)
+            responses.cancel()
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:

@@ -9,6 +9,7 @@ cp312 wheel needs GLIBCXX_3.4.32, which Debian 12 lacks: DESIGN.md).
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -65,10 +66,13 @@ def collect(host, params, limit=None):
 
     async def chunks():
         got = []
-        async for chunk in host.generate(params):
-            got.append(chunk)
-            if limit is not None and len(got) >= limit:
-                break
+        # Closed where it is abandoned, as Serve does when a client goes away (a
+        # generator left to the garbage collector would be closed after the channel).
+        async with aclosing(host.generate(params)) as stream:
+            async for chunk in stream:
+                got.append(chunk)
+                if limit is not None and len(got) >= limit:
+                    break
         return got
 
     return run(host, chunks)
@@ -122,6 +126,8 @@ def test_metrics_and_the_repository_index(host):
 
 
 def test_unload_and_load_a_model(host):
+    # After test_abandoning_a_generation_frees_the_engine: an abandoned request must not
+    # stay in flight in the ensemble, or this unload would wait for it forever.
     run(host, lambda: host.unload_model(contract.ENSEMBLE))
     wait_for(lambda: run(host, host.model_index)[contract.ENSEMBLE] == "UNAVAILABLE", 30)
     assert not run(host, host.is_ready)
