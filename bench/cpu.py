@@ -34,19 +34,21 @@ FRONT_DOOR = ("serve proxy", "ingress replica", "triton replica")
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _read(pid: str) -> tuple[int, float, str] | None:
-    """(parent pid, CPU seconds, command line) of one process; None once it is gone."""
+def _read(pid: str) -> tuple[int, float, str, int] | None:
+    """(parent pid, CPU seconds, command line, start time in ticks) of one process;
+    None once it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return None
     fields = stat.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS, cmdline
+    cpu_s = (int(fields[11]) + int(fields[12])) / _TICKS
+    return int(fields[1]), cpu_s, cmdline, int(fields[19])
 
 
-def snapshot() -> dict[int, tuple[int, float, str]]:
-    """Every process now: pid -> (parent pid, CPU seconds, command line)."""
+def snapshot() -> dict[int, tuple[int, float, str, int]]:
+    """Every process now: pid -> (parent pid, CPU seconds, command line, start time)."""
     if not Path("/proc/self/stat").exists():
         return {}
     found = {}
@@ -64,7 +66,7 @@ def _descendants(processes: dict, root: int | None) -> set[int]:
     found = {root} if root in processes else set()
     grew = True
     while grew:
-        new = {pid for pid, (ppid, _, _) in processes.items() if ppid in found} - found
+        new = {pid for pid, (ppid, *_) in processes.items() if ppid in found} - found
         found |= new
         grew = bool(new)
     return found
@@ -75,14 +77,16 @@ def by_role(before: dict, after: dict, triton_alone_pid: int | None = None) -> d
     count from zero); Triton-alone's processes under ``triton:``."""
     alone = _descendants(after, triton_alone_pid)
     spent: dict[str, float] = {}
-    for pid, (_, cpu, cmdline) in after.items():
+    for pid, (_, cpu, cmdline, started) in after.items():
         role = _role(cmdline)
         if role is None:
             continue
         if pid in alone:
             role = f"triton:{role}"
+        # Same pid and start time: the same process (Ray retitles its workers per call,
+        # so the command line may differ).
         earlier = before.get(pid)
-        delta = cpu - (earlier[1] if earlier and earlier[2] == cmdline else 0.0)
+        delta = cpu - (earlier[1] if earlier and earlier[3] == started else 0.0)
         if delta > 0:
             spent[role] = round(spent.get(role, 0.0) + delta, 2)
     return dict(sorted(spent.items()))

@@ -153,30 +153,37 @@ def test_throughput_mode_turns_on_rays_high_throughput_serving_in_a_private_dir(
 def test_cpu_by_role_keeps_triton_alone_apart_and_counts_new_processes_from_zero():
     from bench import cpu
 
-    stub = "triton_python_backend_stub /r/{}/1/model.py"
+    engine = "triton_python_backend_stub /r/tensorrt_llm/1/model.py"
+    post = "triton_python_backend_stub /r/postprocessing/1/model.py"
+    ingress = "ray::ServeReplica:llm:OpenAIIngress"
+    # pid: (parent pid, CPU seconds, command line, start time)
     before = {
-        10: (1, 5.0, "tritonserver --model-repository=/r"),  # (b), Triton alone
-        11: (10, 40.0, stub.format("tensorrt_llm")),
-        20: (1, 3.0, "ray::ServeReplica:llm:Triton-tritonllm-default"),
-        21: (20, 2.0, "tritonserver --model-repository=/r"),  # the stack's own Triton
-        22: (21, 30.0, stub.format("tensorrt_llm")),
-        30: (1, 7.0, "ray::ProxyActor"),
-        40: (1, 1.0, "python -m bench.serving"),  # no role: not counted
+        10: (1, 5.0, "tritonserver --model-repository=/r", 7),  # (b), Triton alone
+        11: (10, 40.0, engine, 7),
+        20: (1, 3.0, "ray::ServeReplica:llm:Triton-tritonllm-default", 7),
+        21: (20, 2.0, "tritonserver --model-repository=/r", 7),  # the stack's own Triton
+        22: (21, 30.0, engine, 7),
+        30: (1, 7.0, "ray::ProxyActor", 7),
+        31: (1, 1.0, ingress, 7),
+        32: (1, 99.0, "ray::IDLE", 7),
+        40: (1, 1.0, "python -m bench.serving", 7),  # no role: not counted
     }
     after = before | {
-        11: (10, 52.5, stub.format("tensorrt_llm")),
-        20: (1, 4.0, "ray::ServeReplica:llm:Triton-tritonllm-default"),
-        22: (21, 41.0, stub.format("tensorrt_llm")),
-        23: (21, 0.5, stub.format("postprocessing")),  # born during the level
-        30: (1, 9.0, "ray::ProxyActor"),
-        31: (1, 1.5, "ray::ServeReplica:llm:OpenAIIngress"),
-        40: (1, 3.0, "python -m bench.serving"),
+        11: (10, 52.5, engine, 7),
+        20: (1, 4.0, "ray::ServeReplica:llm:Triton-tritonllm-default", 7),
+        22: (21, 41.0, engine, 7),
+        23: (21, 0.5, post, 9),  # born during the level
+        30: (1, 9.0, "ray::ProxyActor", 7),
+        31: (1, 2.5, f"{ingress}.handle_request_streaming", 7),  # Ray retitled it
+        32: (1, 0.25, "ray::IDLE", 9),  # the pid of a process that ended, reused
+        40: (1, 3.0, "python -m bench.serving", 7),
     }
     spent = cpu.by_role(before, after, triton_alone_pid=10)
     assert spent == {
         "engine": 11.0,
         "ingress replica": 1.5,
         "pre/postprocessing": 0.5,
+        "ray (other)": 0.25,
         "serve proxy": 2.0,
         "triton replica": 1.0,
         "triton:engine": 12.5,
@@ -194,5 +201,5 @@ def test_cpu_snapshot_reads_this_process():
     while time.process_time() < deadline:  # burn a little CPU
         pass
     second = cpu.snapshot()[os.getpid()]
-    assert first[0] == os.getppid() and "pytest" in first[2]
+    assert first[0] == os.getppid() and "pytest" in first[2] and first[3] == second[3]
     assert second[1] - first[1] >= 0.2
