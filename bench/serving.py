@@ -63,10 +63,10 @@ def serve_config(
 ) -> dict:
     """serve/config.yaml's app over ``repository``, plus baseline (a) at /baseline.
 
-    The LLM only, one Triton replica, no autoscaling: on 2 cores a second replica is a second engine
-    fighting the first for the same cores (on a GPU box: one replica per GPU). The
-    front door's limits (max_ongoing_requests 32, max_queued_requests 64) stay as
-    shipped, so concurrency 64 runs inside them.
+    The LLM only, one Triton replica, no autoscaling: on 2 cores a second replica is a
+    second engine fighting the first for the same cores (on a GPU box: one replica per
+    GPU). The front door's limits (max_ongoing_requests 32, max_queued_requests 64)
+    stay as shipped, so concurrency 64 runs inside them.
     """
     config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
     config["http_options"]["port"] = port
@@ -247,7 +247,7 @@ def log_level(result: dict) -> None:
 
 
 def machine() -> dict:
-    cpu = next(
+    cpu_name = next(
         (
             line.split(":", 1)[1].strip()
             for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -264,7 +264,7 @@ def machine() -> dict:
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {
         "platform": platform.platform(),
-        "cpu": cpu,
+        "cpu": cpu_name,
         "cores": os.cpu_count(),
         "memory_gib": round(memory_gib, 1),
         "python": platform.python_version(),
