@@ -85,10 +85,7 @@ def build_embeddings(
     read_pipeline(source)  # refuse a checkpoint the server cannot run, before any copy
     checkpoint = repo.default_checkpoint_dir
     fingerprint = {"target": "embeddings", "model": _fingerprint(source)}
-    current = (repo.read_manifest() or {}).get("model") == fingerprint["model"] and (
-        checkpoint / "config.json"
-    ).is_file()
-    skipped = current and not spec.force
+    skipped = repo.holds(fingerprint["model"], checkpoint) and not spec.force
     if not skipped:
         repo.clean()
         reporter.stage(f"linking {source} into {checkpoint}")

@@ -69,6 +69,11 @@ class ModelRepository:
         except (FileNotFoundError, json.JSONDecodeError):
             return None
 
+    def holds(self, model_fingerprint: dict, checkpoint: Path) -> bool:
+        """Whether the last build wrote this model's checkpoint (a rebuild can skip it)."""
+        manifest = self.read_manifest() or {}
+        return manifest.get("model") == model_fingerprint and (checkpoint / "config.json").is_file()
+
     def write_manifest(self, manifest: dict) -> None:
         (self.root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 

@@ -90,10 +90,7 @@ class TorchTarget:
         start = time.monotonic()
         checkpoint = validate_checkpoint(spec.model) if spec.model else repo.default_checkpoint_dir
         fingerprint = self._fingerprint(spec)
-        current = (repo.read_manifest() or {}).get("model") == fingerprint["model"] and (
-            checkpoint / "config.json"
-        ).is_file()
-        skipped = current and not spec.force
+        skipped = repo.holds(fingerprint["model"], checkpoint) and not spec.force
         if not skipped:
             repo.clean()
             if not spec.model:
