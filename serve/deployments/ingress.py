@@ -104,11 +104,7 @@ class OpenAIIngress:
 
     async def start(self, model: ModelConfig, params: GenerateParams):
         """Peek the first chunk, retrying once on a lost replica (nothing was sent yet)."""
-        try:
-            return await self._peek(model, params)
-        except ReplicaLost as error:
-            log.warning("request %s: %s; retrying once", params.request_id, error.message)
-            return await self._peek(model, params)
+        return await self._retrying_once(self._peek, model, params)
 
     async def _peek(self, model: ModelConfig, params: GenerateParams):
         stream = self._stream(model, params)
@@ -120,11 +116,16 @@ class OpenAIIngress:
         return first, stream
 
     async def collect(self, model: ModelConfig, params: GenerateParams):
+        return await self._retrying_once(self._collect, model, params)
+
+    async def _retrying_once(self, attempt, model: ModelConfig, params: GenerateParams):
+        """``attempt`` again on another replica if its replica was lost (the client has
+        been sent nothing yet)."""
         try:
-            return await self._collect(model, params)
+            return await attempt(model, params)
         except ReplicaLost as error:
             log.warning("request %s: %s; retrying once", params.request_id, error.message)
-            return await self._collect(model, params)
+            return await attempt(model, params)
 
     async def _collect(self, model: ModelConfig, params: GenerateParams):
         text = []
