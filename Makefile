@@ -33,7 +33,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS  ?=
 SMOKE_ARGS  ?=
 
-.PHONY: venv engines run triton triton-embeddings test test-unit lint bench bench-engine \
+.PHONY: venv engines run triton triton-embeddings test test-unit lint bench bench-capacity bench-engine \
 	bench-embeddings gpu-smoke clean-engines clean
 
 ifeq ($(NO_VENV),1)
@@ -87,6 +87,12 @@ test-unit: venv
 # build/bench/results.json, serving.png and a table; BENCH_ARGS=--help for the options.
 bench: venv
 	$(PY) -m bench.serving $(BENCH_ARGS)
+
+# The serving path's CPU per token at GPU token rates: Triton alone and the stack over
+# the null engine (a benchmark instrument: no model math, a fixed step time), side by
+# side at 64, 256 and 512 streams (build/bench-capacity/results.json and tables).
+bench-capacity: venv
+	$(PY) -m bench.capacity $(BENCH_ARGS)
 
 # The torch engine through Triton vs one-at-a-time generate() on the ~30M bench
 # model (built into build/bench-engine, not model_repository). Figures, not a test.

@@ -31,6 +31,9 @@ ROLES = (
     ("ray", "ray (other)"),
 )
 FRONT_DOOR = ("serve proxy", "ingress replica", "triton replica")
+# Every process a streamed token crosses, from the engine to the client's socket.
+SERVING_PATH = ("engine", "pre/postprocessing", "triton core", *FRONT_DOOR)
+LOAD_GENERATOR = "load generator"
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -72,13 +75,16 @@ def _descendants(processes: dict, root: int | None) -> set[int]:
     return found
 
 
-def by_role(before: dict, after: dict, triton_alone_pid: int | None = None) -> dict[str, float]:
+def by_role(
+    before: dict, after: dict, triton_alone_pid: int | None = None, client_pid: int | None = None
+) -> dict[str, float]:
     """CPU seconds each role spent between two snapshots (processes born in between
-    count from zero); Triton-alone's processes under ``triton:``."""
+    count from zero); Triton-alone's processes under ``triton:``, the benchmark's own
+    process (``client_pid``) as the load generator."""
     alone = _descendants(after, triton_alone_pid)
     spent: dict[str, float] = {}
     for pid, (_, cpu, cmdline, started) in after.items():
-        role = _role(cmdline)
+        role = LOAD_GENERATOR if pid == client_pid else _role(cmdline)
         if role is None:
             continue
         if pid in alone:
@@ -90,6 +96,13 @@ def by_role(before: dict, after: dict, triton_alone_pid: int | None = None) -> d
         if delta > 0:
             spent[role] = round(spent.get(role, 0.0) + delta, 2)
     return dict(sorted(spent.items()))
+
+
+def ms_per_token(spent: dict[str, float], tokens: int, roles) -> float | None:
+    """CPU milliseconds per output token summed over ``roles`` (None: no tokens)."""
+    if not tokens:
+        return None
+    return 1000 * sum(spent.get(role, 0.0) for role in roles) / tokens
 
 
 def front_door_ms_per_token(spent: dict[str, float], tokens: int) -> float | None:

@@ -5,8 +5,10 @@ soon as its last one has ended, until the level's prompts are used up. Every req
 streams, and the client stamps the arrival of each chunk that carries text, so:
 
 - time to first token (TTFT): sent -> first text chunk;
-- inter-token latency (ITL): the gaps between text chunks of one request (the stack,
-  Triton and the baseline all stream one token per chunk);
+- inter-token latency (ITL): the gaps between text chunks of one request (one token
+  per chunk while no hop is behind; a hop that is behind sends several at once);
+- time per output token (TPOT): first to last text chunk over the tokens after the
+  first, per request (vLLM's definition): per token whatever a chunk carries;
 - end to end (e2e): sent -> the stream's end.
 
 Two kinds of target speak the same protocol to the loop: an OpenAI-compatible
@@ -194,6 +196,8 @@ def summarize(records: list[RequestRecord], seconds: float) -> dict:
     ttft = [1000 * (r.arrivals[0] - r.sent) for r in ok]
     itl = [1000 * (b - a) for r in ok for a, b in zip(r.arrivals, r.arrivals[1:], strict=False)]
     e2e = [1000 * (r.end - r.sent) for r in ok]
+    tpot = [1000 * (r.arrivals[-1] - r.arrivals[0]) / (r.tokens - 1) for r in ok if r.tokens > 1]
+    chunks = sum(len(r.arrivals) for r in ok)
     errors = [r.error for r in records if r.error is not None]
     return {
         "requests": len(records),
@@ -210,5 +214,8 @@ def summarize(records: list[RequestRecord], seconds: float) -> dict:
         "itl_p99_ms": percentile(itl, 0.99),
         "e2e_p50_ms": percentile(e2e, 0.5),
         "e2e_p99_ms": percentile(e2e, 0.99),
+        "tpot_p50_ms": percentile(tpot, 0.5),
+        "tpot_p99_ms": percentile(tpot, 0.99),
+        "tokens_per_chunk": sum(r.tokens for r in ok) / chunks if chunks else float("nan"),
         "first_errors": sorted(set(errors))[:3],
     }

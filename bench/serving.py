@@ -132,8 +132,15 @@ def serve_mode_env(mode: str):
 
 
 @contextmanager
-def serve_run(config: dict, out: Path, mode: str = "default", timeout_s: float = 600):
-    """``serve run`` of ``config`` in its own process group; yields the HTTP base URL.
+def serve_run(
+    config: dict,
+    out: Path,
+    mode: str = "default",
+    timeout_s: float = 600,
+    ready_paths: tuple[str, ...] = ("/v1/models", "/baseline/"),
+):
+    """``serve run`` of ``config`` in its own process group; yields the HTTP base URL
+    once every one of ``ready_paths`` answers 200.
 
     Stopped like a user's Ctrl-C (SIGINT to the group: Serve, its Ray instance and the
     Triton children), then SIGKILL if that takes over a minute. Never ``ray stop``:
@@ -155,7 +162,7 @@ def serve_run(config: dict, out: Path, mode: str = "default", timeout_s: float =
                 preexec_fn=_default_sigint,
             )
         try:
-            urls = [f"{url}/v1/models", f"{url}/baseline/"]
+            urls = [f"{url}{path}" for path in ready_paths]
             wait_ready(urls, process, out / "serve.log", timeout_s)
             yield url
         finally:

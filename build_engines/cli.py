@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--target",
         default="auto",
         choices=["auto", *TARGETS],
-        help="engine for the tensorrt_llm slot (auto: trtllm if installed, else torch)",
+        help="engine for the tensorrt_llm slot (auto: trtllm if installed, else torch; "
+        "null: a benchmark instrument that does no model math)",
     )
     p.add_argument(
         "--model",
@@ -104,6 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("--num-threads", int, "torch engine threads (0: all cores prefill, all but one decode)"),
         ("--device", str, "torch engine: auto | cpu | cuda[:N]"),
         ("--dtype", str, "auto | float32 | float16 | bfloat16"),
+        ("--null-step-ms", float, "null target (a benchmark instrument): ms per engine step"),
     ):
         field = flag[2:].replace("-", "_")
         default = getattr(defaults, field)

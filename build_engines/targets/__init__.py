@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from build_engines.targets.base import BuildReport, BuildSpec, EngineOptions, Target
-from build_engines.targets.torch_engine import TorchTarget
+from build_engines.targets.torch_engine import NullTarget, TorchTarget
 from build_engines.targets.trtllm_engine import TrtllmTarget
 
-TARGETS: dict[str, type[Target]] = {"torch": TorchTarget, "trtllm": TrtllmTarget}
+# null: a benchmark instrument (no model math), never chosen by auto.
+TARGETS: dict[str, type[Target]] = {
+    "torch": TorchTarget,
+    "trtllm": TrtllmTarget,
+    "null": NullTarget,
+}
 
 
 def choose_target(name: str) -> Target:

@@ -68,6 +68,7 @@ def source_digest() -> str:
 
 class TorchTarget:
     name = "torch"
+    engine = "torch"  # what the tensorrt_llm model runs (its "engine" parameter)
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -104,14 +105,24 @@ class TorchTarget:
         )
 
     def _fill_configs(self, spec: BuildSpec, repo: ModelRepository, checkpoint_ref: str) -> None:
-        for model, values in config_values(spec.options, checkpoint_ref).items():
-            template = repo.template_path(model, self.name)
+        for model, values in config_values(spec.options, checkpoint_ref, self.engine).items():
+            template = repo.template_path(model, TorchTarget.name)
             text = templates.fill(template, model, values, ragged=model in RAGGED)
             repo.config_path(model).write_text(text)
 
 
-def config_values(o: EngineOptions, checkpoint_ref: str) -> dict[str, dict]:
-    """The template values of the four models for a checkpoint served by the torch engine."""
+class NullTarget(TorchTarget):
+    """The null engine (``tritonllm/engine/null_engine.py``), a benchmark instrument:
+    the torch target's repository, its checkpoint's tokenizer, and no model math
+    (``--null-step-ms`` per engine step). ``make bench-capacity`` builds it."""
+
+    name = "null"
+    engine = "null"
+
+
+def config_values(o: EngineOptions, checkpoint_ref: str, engine: str = "torch") -> dict[str, dict]:
+    """The template values of the four models for a checkpoint served by the torch engine
+    (or by the null engine, ``engine="null"``)."""
     common = {"triton_max_batch_size": o.triton_max_batch_size}
     batching = templates.render_dynamic_batching(o.dynamic_batching, o.triton_max_batch_size)
     return {
@@ -139,5 +150,8 @@ def config_values(o: EngineOptions, checkpoint_ref: str) -> dict[str, dict]:
             "device": o.device,
             "dtype": o.dtype,
             "num_threads": o.num_threads,
+            "engine": engine,
+            "null_step_ms": o.null_step_ms,
+            "null_answer_tokens": 0,
         },
     }

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from tritonllm.engine.null_engine import NullRunner
 from tritonllm.engine.request import GenerationRequest
 from tritonllm.engine.runner import CausalLMRunner
 from tritonllm.engine.sampling import TokenSampler
@@ -80,7 +81,7 @@ class EngineObserver(Protocol):
 class Sequence:
     request: GenerationRequest
     sink: ResponseSink
-    sampler: TokenSampler
+    sampler: TokenSampler  # or any callable of the same shape (the null engine's)
     history: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
@@ -99,7 +100,7 @@ class Engine:
 
     def __init__(
         self,
-        runner: CausalLMRunner,
+        runner: CausalLMRunner | NullRunner,
         max_batch_size: int = 8,
         max_queue_size: int = 256,
         max_seq_len: int | None = None,
@@ -146,8 +147,7 @@ class Engine:
                 f"prompt of {len(request.input_ids)} tokens exceeds the engine's max_num_tokens "
                 f"({self.max_num_tokens} per step); shorten the prompt"
             )
-        sampler = TokenSampler(request.sampling, request.end_id)
-        seq = Sequence(request, sink, sampler, history=list(request.input_ids))
+        seq = Sequence(request, sink, self._sampler(request), history=list(request.input_ids))
         with self._lock:
             if len(self._pending) >= self.max_queue_size:
                 raise EngineBusy(
@@ -171,6 +171,13 @@ class Engine:
             self._stopping = True
             self._lock.notify()
         self._thread.join(timeout_s)
+
+    def _sampler(self, request: GenerationRequest):
+        """The request's own sampler; a runner that picks tokens itself (the null
+        engine, a benchmark instrument) gives its own."""
+        if hasattr(self.runner, "sampler"):
+            return self.runner.sampler(request)
+        return TokenSampler(request.sampling, request.end_id)
 
     @property
     def num_running(self) -> int:

@@ -2,6 +2,7 @@
 
 import triton_python_backend_utils as pb_utils
 
+from tritonllm.engine.null_engine import NullRunner
 from tritonllm.engine.runner import CausalLMRunner
 from tritonllm.engine.scheduler import Engine, EngineBusy
 from tritonllm.engine.tensors import chunk_to_tensors, is_stop_request, to_generation_request
@@ -56,15 +57,27 @@ class TritonSink:
         return self._request.is_cancelled()
 
 
+def _runner(model_args):
+    """The torch engine's model, or the null engine (a benchmark instrument: no model
+    math, a fixed step time) when the repository was built with ``--target null``."""
+    if model_args.str("engine", "torch") == "null":
+        return NullRunner(
+            model_args.path("engine_dir"),
+            step_s=float(model_args.str("null_step_ms", "5")) / 1000,
+            answer_tokens=model_args.int("null_answer_tokens", 0),
+        )
+    return CausalLMRunner(
+        model_args.path("engine_dir"),
+        device=model_args.str("device", "auto"),
+        dtype=model_args.str("dtype", "auto"),
+    )
+
+
 class TritonPythonModel:
     def initialize(self, args):
         model_args = ModelArgs(args)
         self.responses = ResponseThread(poll_interval_s=0.02)
-        runner = CausalLMRunner(
-            model_args.path("engine_dir"),
-            device=model_args.str("device", "auto"),
-            dtype=model_args.str("dtype", "auto"),
-        )
+        runner = _runner(model_args)
         self.engine = Engine(
             runner,
             max_batch_size=model_args.int("max_batch_size", 8),
