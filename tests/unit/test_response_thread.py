@@ -82,3 +82,45 @@ def test_close_delivers_what_is_queued():
         thread.send(sink, item)
     thread.close()
     assert sink.delivered == list(range(100))
+
+
+def test_items_queued_while_the_thread_is_busy_go_out_merged_per_request():
+    """A request's items that queue behind a slow round trip leave as one response;
+    items of other requests never join them, and each request keeps its order."""
+    release = threading.Event()
+
+    class SlowSink(FakeSink):
+        def deliver(self, item):
+            release.wait(5)
+            return super().deliver(item)
+
+    def merge(earlier, later):  # lists of tokens join; "final" ends a request
+        return None if "final" in (earlier, later) else earlier + later
+
+    thread = ResponseThread(poll_interval_s=1.0, merge=merge)
+    slow, a, b = SlowSink(), FakeSink(), FakeSink()
+    thread.send(slow, [0])  # the thread is held in this round trip
+    for i in range(1, 4):
+        thread.send(a, [i])
+        thread.send(b, [10 * i])
+    thread.send(a, "final")
+    release.set()
+    assert a.final.wait(5)
+    thread.close()
+    assert a.delivered == [[1, 2, 3], "final"]
+    assert b.delivered == [[10, 20, 30]]
+
+
+def test_chunks_merge_as_one_streamed_response():
+    from tritonllm.engine.scheduler import GenerationChunk, merge_chunks
+
+    def chunk(tokens, outputs, finished=False, reason=None):
+        return GenerationChunk(tokens, [-0.5] * len(tokens), -0.5 * outputs, 3, outputs,
+                               finished, reason)  # fmt: skip
+
+    first, second, last = chunk([7], 1), chunk([8, 9], 3), chunk([4], 4, True, "length")
+    assert merge_chunks(merge_chunks(first, second), last) == GenerationChunk(
+        [7, 8, 9, 4], [-0.5] * 4, -2.0, 3, 4, True, "length"
+    )
+    assert merge_chunks(last, first) is None  # nothing follows a final response
+    assert merge_chunks(first, "an error") is None

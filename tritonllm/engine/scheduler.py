@@ -51,6 +51,29 @@ class GenerationChunk:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
 
+    def merged(self, later: GenerationChunk) -> GenerationChunk | None:
+        """One streamed response standing for this one and the ``later`` one of the same
+        request (None where they cannot join: this one was final). Counts and the
+        cumulative log prob are the later one's, being totals."""
+        if self.finished:
+            return None
+        return GenerationChunk(
+            token_ids=self.token_ids + later.token_ids,
+            log_probs=self.log_probs + later.log_probs,
+            cum_log_prob=later.cum_log_prob,
+            num_input_tokens=later.num_input_tokens,
+            num_output_tokens=later.num_output_tokens,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+        )
+
+
+def merge_chunks(earlier, later):
+    """The response thread's merge: two chunks of one request (errors never join)."""
+    if isinstance(earlier, GenerationChunk) and isinstance(later, GenerationChunk):
+        return earlier.merged(later)
+    return None
+
 
 class ResponseSink(Protocol):
     """Where a request's chunks go (Triton's response sender in production)."""

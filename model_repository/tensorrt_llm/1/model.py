@@ -4,7 +4,7 @@ import triton_python_backend_utils as pb_utils
 
 from tritonllm.engine.null_engine import NullRunner
 from tritonllm.engine.runner import CausalLMRunner
-from tritonllm.engine.scheduler import Engine, EngineBusy
+from tritonllm.engine.scheduler import Engine, EngineBusy, merge_chunks
 from tritonllm.engine.tensors import chunk_to_tensors, is_stop_request, to_generation_request
 from tritonllm.model_args import ModelArgs
 from tritonllm.response_thread import ResponseThread
@@ -76,7 +76,7 @@ def _runner(model_args):
 class TritonPythonModel:
     def initialize(self, args):
         model_args = ModelArgs(args)
-        self.responses = ResponseThread(poll_interval_s=0.02)
+        self.responses = ResponseThread(poll_interval_s=0.02, merge=merge_chunks)
         runner = _runner(model_args)
         self.engine = Engine(
             runner,
