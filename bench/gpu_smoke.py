@@ -100,7 +100,7 @@ def hf_greedy_text(checkpoint: Path, prompt: str, max_tokens: int, device: str =
 
 def ask(host, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS) -> tuple[str, float, int]:
     """One streamed generation: (text, seconds to the first chunk, output tokens)."""
-    from serve.triton.requests import GenerateParams
+    from serve.generation import GenerateParams
 
     async def scenario():
         start, first, chunks = time.monotonic(), None, []

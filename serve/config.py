@@ -129,6 +129,14 @@ class ModelConfig(_Strict):
         gt=0,
         description="an upper bound of one decode step under full load; sizes the drain time",
     )
+    stream_interval_ms: float = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="throughput first: a stream's chunks leave a replica at most this often, "
+        "each holding every token generated meanwhile (the first never waits); 0: each "
+        "chunk leaves when ready, tokens merging only while a hop is behind",
+    )
     variants: list[VariantId] = Field(
         default_factory=list,
         description="model multiplexing: variants (fine-tuned checkpoints of one base) "

@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from serve.config import AppConfig, ModelConfig
-from serve.triton.requests import GenerateParams, GenerationChunk
+from serve.generation import GenerateParams, GenerationChunk
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import json
 from collections.abc import AsyncIterator
 
 from serve.api.errors import APIError
-from serve.triton.requests import GenerationChunk
+from serve.generation import GenerationChunk
 
 
 def sse(payload: dict | str) -> str:
@@ -41,6 +41,15 @@ def usage(lasts: list[GenerationChunk]) -> dict:
 async def merge(starts) -> AsyncIterator[tuple[int, GenerationChunk]]:
     """Interleave several started streams (``(first chunk, rest)`` pairs) as
     ``(index, chunk)`` in arrival order; every stream is closed when this ends."""
+    if len(starts) == 1:  # the common case, without a task and a queue per chunk
+        first, rest = starts[0]
+        try:
+            yield 0, first
+            async for chunk in rest:
+                yield 0, chunk
+        finally:
+            await rest.aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, first: GenerationChunk, rest) -> None:

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from serve.api.errors import APIError
-from serve.triton.requests import GenerateParams
+from serve.generation import GenerateParams
 
 
 class StreamOptions(BaseModel):

@@ -28,10 +28,10 @@ from serve.api.chat_template import render_chat_prompt
 from serve.api.errors import APIError, InternalError, Overloaded
 from serve.api.http import create_app
 from serve.config import AppConfig, ModelConfig
+from serve.generation import GenerateParams, GenerationChunk, coalesce
 from serve.metrics import RequestMetrics
 from serve.triton import repository
 from serve.triton.host import GenerationError
-from serve.triton.requests import GenerateParams, GenerationChunk
 
 log = logging.getLogger("ray.serve")
 
@@ -148,7 +148,8 @@ class OpenAIIngress:
         self.metrics.generation_started(label)
         try:
             responses = handle.generate.remote(params)
-            async for chunk in responses:
+            # Chunks that Ray delivers while this replica is busy become one SSE event.
+            async for chunk in coalesce(responses):
                 now = time.monotonic()
                 if chunk.text:
                     self.metrics.text_arrived(label, now - (start if first else last), first)

@@ -10,10 +10,10 @@ import numpy as np
 from ray import serve
 
 from serve.config import ModelConfig
+from serve.generation import GenerateParams, GenerationChunk, coalesce
 from serve.metrics import TritonMetricsExporter
 from serve.triton import repository
 from serve.triton.host import GenerationError, TritonHost
-from serve.triton.requests import GenerateParams, GenerationChunk
 from serve.triton.select import choose_host
 from tritonllm import contract
 
@@ -61,7 +61,10 @@ class TritonReplica:
         triton_model = self.model.entry_model()
         if params.variant is not None:
             triton_model = (await self._variant(params.variant)).ensemble
-        async for chunk in self.host.generate(params, triton_model):
+        # What Triton sends while this replica (or Ray's hop to the ingress) is busy
+        # leaves as one chunk: every yield is one Ray object, whatever it holds.
+        chunks = self.host.generate(params, triton_model)
+        async for chunk in coalesce(chunks, self.model.stream_interval_ms / 1000):
             yield chunk
 
     async def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:

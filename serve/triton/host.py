@@ -18,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from serve.triton.requests import GenerateParams, GenerationChunk
+from serve.generation import GenerateParams, GenerationChunk
 from tritonllm import contract
 
 

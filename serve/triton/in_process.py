@@ -30,15 +30,9 @@ from pathlib import Path
 import numpy as np
 import tritonserver
 
+from serve.generation import GenerateParams, GenerationChunk
 from serve.triton.host import GenerationError
-from serve.triton.requests import (
-    GenerateParams,
-    GenerationChunk,
-    chunk_from_outputs,
-    ensemble_inputs,
-    final_chunk,
-    stop_inputs,
-)
+from serve.triton.requests import chunk_from_outputs, ensemble_inputs, final_chunk, stop_inputs
 from serve.triton.sidecar import classify
 from tritonllm import contract
 

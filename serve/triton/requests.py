@@ -1,49 +1,16 @@
-"""What crosses the replica's DeploymentHandle: GenerateParams out, GenerationChunk back.
+"""The codec of the Triton boundary: a request's ensemble tensors from its
+:class:`GenerateParams`, and a :class:`GenerationChunk` from each ensemble response.
 
-Plain dataclasses (Ray pickles them); the mapping to and from the ensemble's
+Both hosts (in-process and sidecar) use it; the mapping to and from the ensemble's
 tensors (``tritonllm.contract``) lives here and nowhere above the replica.
 """
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass, field
-
 import numpy as np
 
+from serve.generation import GenerateParams, GenerationChunk
 from tritonllm import contract
-
-
-@dataclass(frozen=True)
-class GenerateParams:
-    """One generation request, already validated by the API layer."""
-
-    prompt: str
-    max_tokens: int
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    min_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    return_log_probs: bool = False
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    variant: str | None = None  # a multiplexed pool's variant (its own Triton ensemble)
-
-
-@dataclass(frozen=True)
-class GenerationChunk:
-    """New text of one streamed response; the last one carries ``finish_reason``."""
-
-    text: str
-    num_input_tokens: int
-    num_output_tokens: int
-    cum_log_prob: float | None = None
-    finish_reason: str | None = None  # "stop" | "length" on the last chunk
-
 
 _OPTIONAL_SCALARS = (
     "temperature",

@@ -25,17 +25,11 @@ import numpy as np
 import tritonclient.grpc.aio as grpc_aio
 from tritonclient.utils import InferenceServerException
 
+from serve.generation import GenerateParams, GenerationChunk
 from serve.triton.client import infer_inputs
 from serve.triton.host import GenerationError
 from serve.triton.launcher import TritonProcess
-from serve.triton.requests import (
-    GenerateParams,
-    GenerationChunk,
-    chunk_from_outputs,
-    ensemble_inputs,
-    final_chunk,
-    stop_inputs,
-)
+from serve.triton.requests import chunk_from_outputs, ensemble_inputs, final_chunk, stop_inputs
 from tritonllm import contract
 
 log = logging.getLogger(__name__)

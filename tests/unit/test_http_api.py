@@ -21,7 +21,8 @@ from serve.api.backend import Embeddings
 from serve.api.errors import APIError, Overloaded
 from serve.api.http import create_app
 from serve.config import AppConfig
-from serve.triton.requests import GenerationChunk, final_chunk
+from serve.generation import GenerationChunk
+from serve.triton.requests import final_chunk
 from tests.fuzzing import server_errors
 
 CONFIG = AppConfig.model_validate(

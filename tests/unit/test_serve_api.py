@@ -10,9 +10,10 @@ from serve.api.chat_template import render_chat_prompt
 from serve.api.errors import APIError
 from serve.api.schemas import ChatCompletionRequest, CompletionRequest
 from serve.config import AppConfig
+from serve.generation import GenerateParams, GenerationChunk
 from serve.triton import repository
 from serve.triton.host import GenerationError
-from serve.triton.requests import GenerateParams, GenerationChunk, ensemble_inputs, finish_reason
+from serve.triton.requests import ensemble_inputs, finish_reason
 from serve.triton.sidecar import classify
 from tests.conftest import ROOT
 from tritonllm import contract

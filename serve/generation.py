@@ -1,0 +1,115 @@
+"""What a generation is on its way through the application, whoever serves it.
+
+``GenerateParams`` goes from the API to a model's replicas, ``GenerationChunk``s come
+back: plain dataclasses (Ray pickles them) that neither the HTTP layer (``api/``) nor
+Triton (``triton/``) owns. :func:`coalesce` is how a hop sends what is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    """One generation request, already validated by the API layer."""
+
+    prompt: str
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    return_log_probs: bool = False
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    variant: str | None = None  # a multiplexed pool's variant (its own Triton ensemble)
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """New text of one streamed response; the last one carries ``finish_reason``."""
+
+    text: str
+    num_input_tokens: int
+    num_output_tokens: int
+    cum_log_prob: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" on the last chunk
+
+    def merged(self, later: GenerationChunk) -> GenerationChunk:
+        """One chunk for this one and the ``later`` one of the same answer (OpenAI's
+        stream deltas may hold several tokens); counts are totals: the later ones."""
+        return GenerationChunk(
+            text=self.text + later.text,
+            num_input_tokens=later.num_input_tokens,
+            num_output_tokens=later.num_output_tokens,
+            cum_log_prob=later.cum_log_prob,
+            finish_reason=later.finish_reason,
+        )
+
+
+async def coalesce(
+    chunks: AsyncIterable[GenerationChunk], interval_s: float = 0.0
+) -> AsyncIterator[GenerationChunk]:
+    """``chunks`` as they come, but what arrives while the consumer is busy goes out as
+    one merged chunk.
+
+    Every hop of a token (a Ray object, a gRPC message, an SSE event) costs CPU per
+    message whatever it holds, so a hop that falls behind catches up by sending fewer,
+    larger messages: its per-token cost falls as load rises. Nothing waits for a batch:
+    a chunk that finds the consumer ready goes out alone at once. ``interval_s`` > 0
+    (a throughput-first deployment's stream interval) holds later chunks until that
+    long after the previous one went out; the first one never waits.
+
+    Closing this iterator closes ``chunks`` where it can be closed (an abandoned
+    generation stops upstream).
+    Written by hand: neither asyncio nor Ray Serve offers a merging channel.
+    """
+    pending: list[GenerationChunk] = []  # at most one: arrivals merge into it
+    arrived = asyncio.Event()
+    reader = asyncio.ensure_future(_read(chunks, pending, arrived))
+    try:
+        last_sent = 0.0
+        while pending or not reader.done():
+            await arrived.wait()
+            if interval_s and last_sent and not reader.done():
+                await _until(last_sent + interval_s, reader)
+            arrived.clear()
+            if pending:
+                chunk = pending.pop()
+                last_sent = time.monotonic()
+                yield chunk
+        reader.result()  # the source's own error, after what it sent
+    finally:
+        if not reader.done():
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+
+async def _read(chunks, pending: list[GenerationChunk], arrived: asyncio.Event) -> None:
+    try:
+        async for chunk in chunks:
+            if pending:
+                pending[0] = pending[0].merged(chunk)
+            else:
+                pending.append(chunk)
+            arrived.set()
+    finally:
+        arrived.set()  # the end (or an error) wakes the consumer too
+        if hasattr(chunks, "aclose"):
+            await chunks.aclose()
+
+
+async def _until(deadline: float, reader: asyncio.Future) -> None:
+    """Sleep until ``deadline``, or until the source ends (the last chunk goes at once)."""
+    delay = deadline - time.monotonic()
+    if delay > 0:
+        await asyncio.wait([reader], timeout=delay)
