@@ -41,3 +41,7 @@ class Backend(Protocol):
 
     async def embed(self, model: ModelConfig, texts: list[str]) -> Embeddings:
         """One vector per text."""
+
+    async def not_ready(self) -> dict[str, str]:
+        """The configured models that cannot answer now, each with the reason; empty
+        when every model has a replica whose Triton reports it ready (``GET /health``)."""

@@ -73,6 +73,12 @@ class Overloaded(APIError):
         return {"Retry-After": str(self.retry_after_s)}
 
 
+class NotReady(Overloaded):
+    """A configured model has no ready replica yet (``GET /health``)."""
+
+    retry_after_s = 5
+
+
 # pydantic names the union member that failed in an error's location ("str",
 # "list[str]", "function-after[...]"): not part of the parameter's name.
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|\w+[-\w]*\[.*\])$")

@@ -13,6 +13,7 @@ full deployment (``max_queued_requests``) is a 503 at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +35,11 @@ from serve.triton import repository
 from serve.triton.host import GenerationError
 
 log = logging.getLogger("ray.serve")
+
+# How long /health waits for a model's replica to answer ``ready()``. A call queues
+# behind a replica's max_ongoing_requests, so a saturated model may miss it: the
+# probes' failure thresholds (docker/) allow for a few misses in a row.
+READY_TIMEOUT_S = 5.0
 
 
 class ReplicaLost(Overloaded):
@@ -173,3 +179,24 @@ class OpenAIIngress:
         except Exception as error:
             raise _translate(error) from None
         return Embeddings(np.asarray(vectors, dtype=np.float32), int(num_tokens))
+
+    # -- readiness (GET /health) ---------------------------------------------------------
+
+    async def not_ready(self) -> dict[str, str]:
+        reasons = await asyncio.gather(*(self._not_ready(m) for m in self.config.models))
+        return {m.id: r for m, r in zip(self.config.models, reasons, strict=True) if r}
+
+    async def _not_ready(self, model: ModelConfig) -> str | None:
+        """Why no replica of ``model`` can answer now (None: one whose Triton is ready did)."""
+        response = self.replicas[model.id].ready.remote()
+        try:
+            ready = await asyncio.wait_for(response, READY_TIMEOUT_S)
+        except BackPressureError:
+            return None  # every replica is busy and the queue is full: serving, not down
+        except asyncio.TimeoutError:
+            _cancel(response)
+            return f"no replica answered within {READY_TIMEOUT_S:.0f} s (starting, or all busy)"
+        except (RayActorError, ActorUnavailableError, DeploymentUnavailableError) as error:
+            log.info("readiness of %s: %s", model.id, error)
+            return "no running replica"
+        return None if ready else "Triton does not report the model ready"

@@ -95,6 +95,15 @@ class TritonReplica:
         if not await self.host.is_ready(model):
             raise RuntimeError(f"Triton is not ready: the server exited or {model} is not loaded")
 
+    async def ready(self) -> bool:
+        """Whether this replica's Triton reports its model ready (the ingress's /health)."""
+        try:
+            await self.check_health()
+        except RuntimeError as error:
+            log.info("%s", error)
+            return False
+        return True
+
     def __del__(self):
         # Serve deletes a replica after draining it; Triton must not outlive it.
         metrics = getattr(self, "_metrics", None)

@@ -47,6 +47,7 @@ class FakeBackend:
         self.fail_after = fail_after  # raise `error` after this many chunks
         self.error = error
         self.params = []
+        self.waiting: dict[str, str] = {}  # what not_ready() answers: model id -> reason
 
     def chat_prompt(self, model, messages):
         return " ".join(m["content"] for m in messages)
@@ -74,6 +75,9 @@ class FakeBackend:
         vectors = np.array([[len(t), 1.5, -2.0] for t in texts], dtype=np.float32)
         return Embeddings(vectors, sum(len(t.split()) for t in texts))
 
+    async def not_ready(self):
+        return dict(self.waiting)
+
 
 def client(backend=None, keys=frozenset(), record=None) -> TestClient:
     app = create_app(backend or FakeBackend(), keys, record)
@@ -97,6 +101,20 @@ def test_completions_and_generate_answer_from_the_backend():
     assert api.post("/generate", json={"prompt": "x y", "max_new_tokens": 1}).json() == {
         "text": " x"
     }
+
+
+def test_health_is_ready_only_when_every_model_is_and_needs_no_api_key():
+    backend = FakeBackend()
+    api = client(backend, keys=frozenset({"k"}))
+    assert api.get("/health").json() == {"status": "ready", "models": ["llm", "emb"]}
+    backend.waiting = {"emb": "no running replica"}
+    error = error_of(api.get("/health"), 503)
+    assert error["code"] == "model_not_ready" and "emb: no running replica" in error["message"]
+    assert "llm" not in error["message"]
+    assert api.get("/health").headers["retry-after"] == "5"
+    backend.waiting = {}
+    assert api.get("/health").status_code == 200
+    assert api.get("/v1/models").status_code == 401  # the API itself still wants the key
 
 
 def test_streamed_chat_has_role_first_deltas_reason_usage_and_done():
