@@ -1,4 +1,4 @@
-"""docker/kuberay/rayservice.yaml against serve/config.yaml and the GPU image."""
+"""docker/kuberay/: the RayService and the build Job against serve/config.yaml and the GPU image."""
 
 from __future__ import annotations
 
@@ -8,14 +8,42 @@ from ray.serve.schema import ServeDeploySchema
 
 from serve.deploy_config import deploy_config, load_base, update_rayservice
 from tests.conftest import ROOT
-from tests.unit.test_docker import REPOSITORY_MOUNT, compose, image_ray_version
+from tests.unit.test_docker import compose, image_ray_version, served_repositories
 
 MANIFEST = ROOT / "docker" / "kuberay" / "rayservice.yaml"
+BUILD_JOB = ROOT / "docker" / "kuberay" / "build-job.yaml"
+API_KEYS_SECRET = "triton-ray-llm-api-keys"
 
 
 @pytest.fixture(scope="module")
 def docs() -> dict:
-    return {d["kind"]: d for d in yaml.safe_load_all(MANIFEST.read_text())}
+    manifests = [
+        *yaml.safe_load_all(MANIFEST.read_text()),
+        *yaml.safe_load_all(BUILD_JOB.read_text()),
+    ]
+    return {d["kind"]: d for d in manifests}
+
+
+def pods(docs) -> dict[str, dict]:
+    cluster = docs["RayService"]["spec"]["rayClusterConfig"]
+    specs = {"head": cluster["headGroupSpec"]["template"]["spec"]}
+    for group in cluster["workerGroupSpecs"]:
+        specs[group["groupName"]] = group["template"]["spec"]
+    specs["build-job"] = docs["Job"]["spec"]["template"]["spec"]
+    return specs
+
+
+def claim_mounts(pod: dict) -> dict[str, tuple[str, str]]:
+    """mountPath -> (claim, subPath) of the pod's persistent volume claims."""
+    (container,) = pod["containers"]
+    claims = {
+        v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]
+    }
+    return {
+        m["mountPath"]: (claims[m["name"]], m.get("subPath", ""))
+        for m in container["volumeMounts"]
+        if claims.get(m["name"])
+    }
 
 
 def test_serve_config_v2_is_serve_config_yaml_for_a_gpu_cluster(docs):
@@ -35,8 +63,8 @@ def test_update_rewrites_only_the_serve_config(tmp_path):
     assert update_rayservice(manifest, two_gpus)
     before = list(yaml.safe_load_all(MANIFEST.read_text()))
     after = list(yaml.safe_load_all(manifest.read_text()))
-    assert yaml.safe_load(after[1]["spec"].pop("serveConfigV2")) == two_gpus
-    before[1]["spec"].pop("serveConfigV2")
+    assert yaml.safe_load(after[0]["spec"].pop("serveConfigV2")) == two_gpus
+    before[0]["spec"].pop("serveConfigV2")
     assert after == before
 
 
@@ -44,16 +72,10 @@ def test_cluster_runs_the_gpu_image_and_the_tested_ray(docs):
     cluster = docs["RayService"]["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] == image_ray_version()
     head = cluster["headGroupSpec"]
-    workers = cluster["workerGroupSpecs"]
     image = compose()["services"]["ray-head"]["image"]
-    pods = [head["template"]["spec"], *(w["template"]["spec"] for w in workers)]
-    for pod in pods:
+    for name, pod in pods(docs).items():
         (container,) = pod["containers"]
-        assert container["image"] == image
-        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-        claims = {v["name"]: v.get("persistentVolumeClaim", {}) for v in pod["volumes"]}
-        repository = claims[mounts[REPOSITORY_MOUNT]]["claimName"]
-        assert repository == docs["PersistentVolumeClaim"]["metadata"]["name"]
+        assert container["image"] == image, name
     assert head["rayStartParams"]["num-gpus"] == "0"  # replicas land on GPU workers
     ports = {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
     assert {6379, 8265, 8000} <= ports
@@ -77,3 +99,68 @@ def test_ingress_reaches_serve_port_8000(docs):
     # KubeRay's Service for Serve is named after the RayService.
     assert backend["name"] == docs["RayService"]["metadata"]["name"] + "-serve-svc"
     assert backend["port"]["number"] == served["http_options"]["port"] == 8000
+
+
+def test_every_pod_mounts_every_repository_the_serve_config_names(docs):
+    claim = docs["PersistentVolumeClaim"]["metadata"]["name"]
+    assert "ReadWriteMany" in docs["PersistentVolumeClaim"]["spec"]["accessModes"]
+    for name, pod in pods(docs).items():
+        mounts = claim_mounts(pod)
+        for path in served_repositories():  # the build Job writes where the pods read
+            assert mounts.get(path) == (claim, path.rsplit("/", 1)[1]), (name, path)
+
+
+def test_build_job_seeds_the_layout_the_image_keeps_then_builds(docs):
+    command = " ".join(docs["Job"]["spec"]["template"]["spec"]["containers"][0]["command"])
+    for repository in ("model_repository", "embedding_repository"):
+        assert f"cp -a /opt/triton-ray-llm/{repository}/. {repository}/" in command
+    assert command.endswith("make engines TARGET=auto MODEL=/models/hf")
+    runs = (ROOT / "docker" / "Dockerfile.gpu").read_text()
+    assert "cp -a model_repository embedding_repository /opt/triton-ray-llm/" in runs
+
+
+def test_autoscaling_adds_gpu_workers_up_to_the_llm_replicas(docs):
+    cluster = docs["RayService"]["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    served = yaml.safe_load(docs["RayService"]["spec"]["serveConfigV2"])
+    low = high = 0.0
+    for model in served["applications"][0]["args"]["models"]:
+        deployment = model["deployment"]
+        gpus = deployment["ray_actor_options"].get("num_gpus", 0)
+        scaling = deployment.get("autoscaling_config") or {}
+        fixed = deployment.get("num_replicas")
+        low += gpus * (fixed or scaling.get("min_replicas", 1))
+        high += gpus * (fixed or scaling.get("max_replicas", 1))
+    (group,) = cluster["workerGroupSpecs"]
+    per_worker = int(
+        group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    )
+    assert group["minReplicas"] == low / per_worker and group["maxReplicas"] == high / per_worker
+    assert "gcsFaultToleranceOptions" in MANIFEST.read_text()  # the Redis option, documented
+    assert "redisAddress" in MANIFEST.read_text()
+
+
+def test_serving_pods_read_api_keys_from_the_secret(docs):
+    for name, pod in pods(docs).items():
+        if name == "build-job":
+            continue
+        (container,) = pod["containers"]
+        env = {e["name"]: e for e in container.get("env", [])}
+        ref = env["TRITONLLM_API_KEYS"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": API_KEYS_SECRET, "key": "keys"}, name
+        assert not ref.get("optional")  # no Secret, no pod: the Ingress is public
+    assert f"kubectl create secret generic {API_KEYS_SECRET} --from-literal=keys=" in (
+        MANIFEST.read_text()
+    )
+
+
+def test_gpu_workers_are_ready_on_health_and_the_head_keeps_kuberays_probes(docs):
+    cluster = docs["RayService"]["spec"]["rayClusterConfig"]
+    for group in cluster["workerGroupSpecs"]:
+        (container,) = group["template"]["spec"]["containers"]
+        probe = container["readinessProbe"]["httpGet"]
+        assert probe == {"path": "/health", "port": 8000}
+    # A head that fails readiness leaves the head Service the workers and the
+    # operator use, and Serve is only deployed once the head is ready.
+    (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    assert "readinessProbe" not in head
