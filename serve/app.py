@@ -10,6 +10,7 @@ request's ``model``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray import serve
@@ -20,15 +21,34 @@ from serve.deployments.ingress import OpenAIIngress
 from serve.deployments.triton_replica import TritonReplica
 from serve.triton import repository
 
+log = logging.getLogger("ray.serve")
+
 
 def build_app(args: dict | None = None):
-    config = AppConfig.model_validate(args or {})
+    config = servable(AppConfig.model_validate(args or {}))
     replicas = {}
     for model in config.models:
         deployment = serve.deployment(TritonReplica).options(**replica_options(model))
         replicas[model.id] = deployment.bind(model)
     ingress = serve.deployment(OpenAIIngress).options(**ingress_options(config))
     return ingress.bind(replicas, config)
+
+
+def servable(config: AppConfig) -> AppConfig:
+    """``config`` without its ``optional`` models whose repository is not built (each
+    named in the log); any other unbuilt repository fails in :func:`replica_options`."""
+    kept = []
+    for model in config.models:
+        try:
+            if model.optional:
+                repository.check_built(model.triton.repository_path(), tuple(model.entry_models()))
+        except repository.RepositoryError as error:
+            log.warning("model %s left out (optional: true): %s", model.id, error)
+            continue
+        kept.append(model)
+    if not any(m.task == "generate" for m in kept):
+        raise repository.RepositoryError("no generate model is left to serve (see the log)")
+    return config.model_copy(update={"models": kept})
 
 
 def replica_options(model: ModelConfig) -> dict[str, Any]:

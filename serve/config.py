@@ -146,6 +146,11 @@ class ModelConfig(_Strict):
     max_models_per_replica: int = Field(
         2, ge=1, description="variants one replica keeps loaded (least recently used leaves)"
     )
+    optional: bool = Field(
+        False,
+        description="serve this model only where its repository is built: an unbuilt one "
+        "is left out of the app with a warning, instead of failing the whole deployment",
+    )
 
     @model_validator(mode="after")
     def _variants_generate(self) -> ModelConfig:

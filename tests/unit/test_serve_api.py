@@ -138,3 +138,33 @@ def test_a_pool_of_variants_resolves_by_variant_and_loads_on_demand():
         AppConfig.model_validate({"models": [{"id": "a"}, {"id": "pool", "variants": ["a"]}]})
     with pytest.raises(ValidationError, match="variants"):
         AppConfig.model_validate({"models": [{"id": "p", "variants": ["x/../y"]}]})
+
+
+def test_an_unbuilt_optional_model_is_left_out_and_a_built_one_kept(tmp_path, caplog):
+    from serve.app import servable
+
+    def config(repository):
+        return AppConfig.model_validate(
+            {
+                "models": [
+                    {"id": "llm"},
+                    {
+                        "id": "emb",
+                        "task": "embed",
+                        "optional": True,
+                        "triton": {"model_repository": str(repository)},
+                    },
+                ]
+            }
+        )
+
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        assert [m.id for m in servable(config(tmp_path / "unbuilt")).models] == ["llm"]
+    assert "emb left out (optional: true)" in caplog.text and "does not exist" in caplog.text
+    (tmp_path / "embeddings").mkdir()
+    (tmp_path / "embeddings" / "config.pbtxt").write_text('name: "embeddings" backend: "python"')
+    assert [m.id for m in servable(config(tmp_path)).models] == ["llm", "emb"]
+    only_optional = AppConfig.model_validate({"models": [{"id": "llm", "optional": True}]})
+    only_optional.models[0].triton.model_repository = tmp_path / "unbuilt"
+    with pytest.raises(repository.RepositoryError, match="no generate model"):
+        servable(only_optional)
