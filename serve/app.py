@@ -55,6 +55,7 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
     """Serve options of one model's Triton replicas, from its config and its repository."""
     path = model.triton.repository_path()
     repository.check_built(path, tuple(model.entry_models()))
+    check_gpu_memory(model)
     options = model.deployment.model_dump(
         exclude={"num_replicas", "autoscaling_config", "ray_actor_options"}
     )
@@ -65,6 +66,31 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
     else:
         options["autoscaling_config"] = autoscaling(model)
     return {"name": model.deployment_name(), **options}
+
+
+# What the engines of one replica may take together: the rest is for activations, CUDA
+# graphs and the context, which TensorRT-LLM does not count in the fraction.
+GPU_MEMORY_SHARE = 0.95
+
+
+def check_gpu_memory(model: ModelConfig) -> None:
+    """Refuse a replica whose engines would reserve more than its GPU: each TensorRT-LLM
+    engine takes its KV-cache fraction of the GPU when it loads, and a pool of variants
+    loads up to ``max_models_per_replica`` engines on the replica's one GPU."""
+    if model.task != "generate" or not model.deployment.ray_actor_options.num_gpus:
+        return
+    path = model.triton.repository_path()
+    engines = [f"tensorrt_llm-{v}" for v in model.variants] or [model.engine_model()]
+    fractions = [f for f in (repository.kv_cache_fraction(path, e) for e in engines) if f]
+    together = sorted(fractions, reverse=True)[: model.max_models_per_replica]
+    if sum(together) > GPU_MEMORY_SHARE:
+        raise repository.RepositoryError(
+            f"model {model.id}: {len(together)} engine(s) on one GPU reserve "
+            f"{' + '.join(f'{f:g}' for f in together)} of its memory for KV cache (more than "
+            f"{GPU_MEMORY_SHARE}); lower kv_cache_free_gpu_mem_fraction in "
+            "build_engines/trtllm.yaml (e.g. 0.85 / max_models_per_replica) and run "
+            "`make engines`, or lower max_models_per_replica"
+        )
 
 
 def autoscaling(model: ModelConfig) -> AutoscalingConfig:

@@ -57,3 +57,13 @@ def engine_batch_size(repository: Path, engine: str = contract.TENSORRT_LLM) -> 
     config = read_config(repository, engine)
     value = _parameter(config, "max_batch_size")
     return int(value) if value.isdigit() and int(value) > 0 else max(config.max_batch_size, 1)
+
+
+def kv_cache_fraction(repository: Path, engine: str = contract.TENSORRT_LLM) -> float | None:
+    """The share of GPU memory the engine takes for its KV cache when it loads
+    (TensorRT-LLM's ``kv_cache_free_gpu_mem_fraction``); None for engines without one."""
+    value = _parameter(read_config(repository, engine), "kv_cache_free_gpu_mem_fraction")
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None

@@ -168,3 +168,42 @@ def test_an_unbuilt_optional_model_is_left_out_and_a_built_one_kept(tmp_path, ca
     only_optional.models[0].triton.model_repository = tmp_path / "unbuilt"
     with pytest.raises(repository.RepositoryError, match="no generate model"):
         servable(only_optional)
+
+
+@pytest.mark.parametrize(
+    ("fraction", "per_replica", "gpus", "fits"),
+    [(0.85, 2, 1, False), (0.4, 2, 1, True), (0.85, 1, 1, True), (0.85, 2, 0, True)],
+)
+def test_engines_sharing_a_gpu_must_fit_their_kv_cache_fractions(
+    tmp_path, fraction, per_replica, gpus, fits
+):
+    from serve.app import check_gpu_memory
+
+    for variant in ("a", "b"):
+        for name, extra in ((f"ensemble-{variant}", ""), (f"tensorrt_llm-{variant}", fraction)):
+            (tmp_path / name).mkdir()
+            parameter = (
+                f'parameters {{ key: "kv_cache_free_gpu_mem_fraction" '
+                f'value: {{ string_value: "{extra}" }} }}'
+                if extra
+                else ""
+            )
+            (tmp_path / name / "config.pbtxt").write_text(f'name: "{name}" {parameter}')
+    model = AppConfig.model_validate(
+        {
+            "models": [
+                {
+                    "id": "pool",
+                    "variants": ["a", "b"],
+                    "max_models_per_replica": per_replica,
+                    "triton": {"model_repository": str(tmp_path)},
+                    "deployment": {"ray_actor_options": {"num_gpus": gpus}},
+                }
+            ]
+        }
+    ).models[0]
+    if fits:
+        check_gpu_memory(model)
+    else:
+        with pytest.raises(repository.RepositoryError, match=r"0\.85 \+ 0\.85.*max_models_per"):
+            check_gpu_memory(model)
