@@ -71,8 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--target",
         default="auto",
         choices=["auto", *TARGETS],
-        help="engine for the tensorrt_llm slot (auto: trtllm if installed, else torch; "
-        "null: a benchmark instrument that does no model math)",
+        help="engine for the tensorrt_llm slot (auto: trtllm where trtllm-build exists, else "
+        "trtllm-pytorch where TensorRT-LLM is installed, else torch; null: a benchmark "
+        "instrument that does no model math)",
     )
     p.add_argument(
         "--model",

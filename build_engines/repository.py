@@ -15,6 +15,9 @@ from pathlib import Path
 from tritonllm import contract
 
 MANIFEST = ".build.json"
+# The tracked Python-backend adapters in a weights model's version folder: model.py
+# (the torch engine, the embeddings) and llmapi.py (TensorRT-LLM's PyTorch backend).
+ADAPTERS = ("model.py", "llmapi.py")
 
 
 class ModelRepository:
@@ -81,7 +84,7 @@ class ModelRepository:
         """Everything a build writes (all git-ignored); the tracked files stay."""
         paths = [self.root / MANIFEST]
         paths += [self.config_path(m) for m in self.models]
-        paths += [p for p in self.engine_version_dir.iterdir() if p.name != "model.py"]
+        paths += [p for p in self.engine_version_dir.iterdir() if p.name not in ADAPTERS]
         return [p for p in paths if p.exists()]
 
     def copy_layout(self, destination: Path):

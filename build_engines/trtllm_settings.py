@@ -268,3 +268,43 @@ def _plugin_and_mapping_mismatch(build: dict, pretrained: dict, settings: Trtllm
     if settings.dtype != "auto" and pretrained.get("dtype") != settings.dtype:
         return f"engine dtype is {pretrained.get('dtype')}, the config says {settings.dtype}"
     return None
+
+
+# The trtllm.yaml settings that shape a TensorRT engine only: TensorRT-LLM's PyTorch
+# backend (the trtllm-pytorch target) has no engine build and ignores them.
+ENGINE_ONLY_FIELDS = (
+    "kv_cache_type",
+    "remove_input_padding",
+    "context_fmha",
+    "gemm_plugin",
+    "gpt_attention_plugin",
+)
+_CAPACITY_POLICIES = {
+    "guaranteed_no_evict": "GUARANTEED_NO_EVICT",
+    "max_utilization": "MAX_UTILIZATION",
+}
+
+
+def llm_api_options(settings: TrtllmSettings) -> dict:
+    """The LLM API's options for TensorRT-LLM's PyTorch backend, from the same settings
+    as the engine build (the keys of trtllm-serve's ``extra_llm_api_options`` YAML)."""
+    if settings.max_beam_width != 1:
+        raise SettingsError("max_beam_width must be 1 for the trtllm-pytorch target")
+    options = {
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "pipeline_parallel_size": settings.pipeline_parallel_size,
+        "dtype": settings.dtype,
+        "max_batch_size": settings.max_batch_size,
+        "max_num_tokens": settings.max_num_tokens,
+        "enable_chunked_prefill": settings.enable_chunked_context,
+        "kv_cache_config": {
+            "free_gpu_memory_fraction": settings.kv_cache_free_gpu_mem_fraction,
+            "enable_block_reuse": settings.enable_kv_cache_reuse,
+        },
+        "scheduler_config": {
+            "capacity_scheduler_policy": _CAPACITY_POLICIES[settings.batch_scheduler_policy],
+        },
+    }
+    if settings.max_seq_len:  # else the model's context length
+        options["max_seq_len"] = settings.max_seq_len
+    return options

@@ -94,7 +94,11 @@ class TrtllmTarget:
                 "<yy.mm>-trtllm-python-py3) or use TARGET=torch for the CPU/torch engine"
             )
         if shutil.which("trtllm-build") is None:
-            return "tensorrt_llm is installed but `trtllm-build` is not on PATH"
+            return (
+                f"TensorRT-LLM {self._version() or '(version unknown)'} is installed without "
+                "`trtllm-build`: its TensorRT engine backend was removed upstream (PyTorch is "
+                "its only backend now); use TARGET=trtllm-pytorch (TARGET=auto picks it)"
+            )
         return None
 
     def build(self, spec: BuildSpec, repo: ModelRepository, reporter: Reporter) -> BuildReport:

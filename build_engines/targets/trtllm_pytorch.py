@@ -1,0 +1,157 @@
+"""The trtllm-pytorch target: TensorRT-LLM's PyTorch backend through its LLM API (GPU boxes).
+
+TensorRT-LLM removed its TensorRT engine backend upstream (its migration guide,
+"TensorRT Backend Removed"): the PyTorch backend is then its only one, it loads a
+Hugging Face checkpoint directly and there is no ``trtllm-build``. This target writes
+no engine: the ``tensorrt_llm`` model becomes a Python-backend model
+(``tensorrt_llm/1/llmapi.py`` over :mod:`tritonllm.llmapi`) that serves the checkpoint
+with the LLM API, on the same tensor contract, so the ensemble and the Serve app are
+unchanged. Its settings come from ``build_engines/trtllm.yaml`` like the engine
+build's (the engine-only ones are ignored), written to ``tensorrt_llm/1/``
+``llm_api_options.yaml``; the checkpoint is referenced, not copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import time
+from collections.abc import Callable
+
+import yaml
+
+from build_engines import default_model, templates
+from build_engines.repository import ModelRepository
+from build_engines.targets.base import BuildReport, BuildSpec, DynamicBatching, Reporter
+from build_engines.targets.torch_engine import RAGGED, source_digest, validate_checkpoint
+from build_engines.targets.trtllm_engine import installed_version, load_settings
+from build_engines.trtllm_settings import TrtllmSettings, llm_api_options
+from tritonllm import contract
+from tritonllm.llmapi import OPTIONS_FILE
+
+# The LLM API on the PyTorch backend is TensorRT-LLM's default from 1.0 on.
+MIN_VERSION = (1, 0)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+class TrtllmPytorchTarget:
+    name = "trtllm-pytorch"
+
+    def __init__(self, version: Callable[[], str | None] | None = None):
+        self._version = version or (lambda: installed_version())
+
+    def unavailable_reason(self) -> str | None:
+        if importlib.util.find_spec("tensorrt_llm") is None:
+            return (
+                "TensorRT-LLM is not installed (no `tensorrt_llm` Python package): build inside "
+                "the GPU image (docker/Dockerfile.gpu, on nvcr.io/nvidia/tritonserver:"
+                "<yy.mm>-trtllm-python-py3) or use TARGET=torch for the CPU/torch engine"
+            )
+        version = self._version() or "unknown"
+        if _version_tuple(version) < MIN_VERSION:
+            return (
+                f"TensorRT-LLM {version} predates the PyTorch backend's LLM API "
+                f"({'.'.join(map(str, MIN_VERSION))}): use TARGET=trtllm (the engine build) "
+                "or an image with a newer TensorRT-LLM"
+            )
+        return None
+
+    def build(self, spec: BuildSpec, repo: ModelRepository, reporter: Reporter) -> BuildReport:
+        """No engine to build: the checkpoint (the default model is written once), the
+        LLM API options and the configs."""
+        start = time.monotonic()
+        settings = load_settings(spec)
+        options = llm_api_options(settings)
+        checkpoint = validate_checkpoint(spec.model) if spec.model else repo.default_checkpoint_dir
+        if spec.model and checkpoint.is_relative_to(repo.engine_version_dir):
+            raise ValueError(
+                f"MODEL={checkpoint} lies among the files a build replaces "
+                f"({repo.engine_version_dir}): copy the checkpoint elsewhere first"
+            )
+        fingerprint = self._fingerprint(spec, options)
+        manifest = repo.read_manifest() or {}
+        skipped = manifest == fingerprint and not spec.force
+        if manifest.get("target") != self.name or spec.force:
+            repo.clean()  # another target's engine, weights or configs
+        if not spec.model and not repo.holds(fingerprint["model"], checkpoint):
+            default_model.write_default_model(checkpoint, spec.size, reporter)
+        reporter.stage("writing the LLM API options and the model configs")
+        (repo.engine_version_dir / OPTIONS_FILE).write_text(
+            "# Written by `make engines TARGET=trtllm-pytorch` from build_engines/trtllm.yaml:\n"
+            "# TensorRT-LLM's LLM API options (tritonllm/llmapi.py passes them to LLM()).\n"
+            + yaml.safe_dump(options, sort_keys=False)
+        )
+        ref = repo.reference(checkpoint)
+        options_ = spec.options
+        fill_configs(
+            settings, repo, ref, options_.preprocessing_instance_count, options_.dynamic_batching
+        )
+        repo.write_manifest(fingerprint)
+        return BuildReport(
+            self.name, ref, ref, skipped, time.monotonic() - start, repo.size_bytes()
+        )
+
+    def _fingerprint(self, spec: BuildSpec, options: dict) -> dict:
+        model = (
+            {"checkpoint": str(spec.model.expanduser().resolve())}
+            if spec.model
+            else {"default": default_model.describe(spec.size), "source": source_digest()}
+        )
+        return {
+            "target": self.name,
+            "model": model,
+            "llm_api_options": options,
+            "tensorrt_llm": self._version(),
+        }
+
+
+def fill_configs(
+    settings: TrtllmSettings,
+    repo: ModelRepository,
+    checkpoint_ref: str,
+    preprocessing_instances: int = 1,
+    batching: DynamicBatching | None = None,
+) -> None:
+    """The four configs: pre/postprocessing read the checkpoint's tokenizer, the
+    tensorrt_llm model is the LLM API adapter over the same checkpoint."""
+    common = {"triton_max_batch_size": settings.triton_batch}
+    dynamic_batching = templates.render_dynamic_batching(
+        batching or DynamicBatching(), settings.triton_batch
+    )
+    flags = {
+        k: str(v).lower() if isinstance(v, bool) else v
+        for k, v in dataclasses.asdict(settings).items()
+    }
+    values = {
+        contract.ENSEMBLE: common,
+        contract.PREPROCESSING: {
+            **common,
+            "dynamic_batching": dynamic_batching,
+            "tokenizer_dir": checkpoint_ref,
+            "add_special_tokens": "true",
+            "preprocessing_instance_count": preprocessing_instances,
+        },
+        contract.POSTPROCESSING: {
+            **common,
+            "dynamic_batching": dynamic_batching,
+            "tokenizer_dir": checkpoint_ref,
+            "skip_special_tokens": "true",
+        },
+        contract.TENSORRT_LLM: {
+            **flags,
+            **common,
+            "engine_dir": checkpoint_ref,
+            "llm_api_options": repo.reference(repo.engine_version_dir / OPTIONS_FILE),
+        },
+    }
+    for model, model_values in values.items():
+        template = repo.template_path(model, TrtllmPytorchTarget.name)
+        text = templates.fill(template, model, model_values, ragged=model in RAGGED)
+        repo.config_path(model).write_text(text)

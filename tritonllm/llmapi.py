@@ -1,0 +1,383 @@
+"""TensorRT-LLM's LLM API (its PyTorch backend) in the ``tensorrt_llm`` slot.
+
+TensorRT-LLM's PyTorch backend loads a Hugging Face checkpoint directly (no engine
+build) and serves it through the LLM API: ``LLM(model=...)``, ``generate_async(prompt,
+SamplingParams, streaming)`` giving a ``RequestOutput`` per step and ``abort()`` to stop
+one. Here that API sits behind our tensor contract, so the ensemble, the
+pre/postprocessing and the Serve app stay as they are:
+
+- :func:`sampling_kwargs`: a :class:`~tritonllm.engine.request.GenerationRequest` (read
+  from the contract's tensors by :mod:`tritonllm.engine.tensors`) as ``SamplingParams``
+  keyword arguments, with the torch engine's semantics (greedy unless asked otherwise;
+  a temperature alone samples).
+- :class:`OutputTracker`: the LLM API's outputs as our :class:`GenerationChunk` s (new
+  tokens when streaming, everything at the end; stop words ended on, as the torch
+  engine does).
+- :class:`LLMAPIEngine`: the torch engine's verbs (``submit``, ``cancel``,
+  ``shutdown``) over an ``LLM`` object, on an asyncio loop of its own, with the queue
+  bound and the cancellation the slot promises.
+
+Nothing here imports ``tensorrt_llm`` or ``triton_python_backend_utils``:
+``model_repository/tensorrt_llm/1/llmapi.py`` passes the LLM in, and the unit tests a
+fake one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from tritonllm.engine.request import GenerationRequest
+from tritonllm.engine.scheduler import EngineBusy, GenerationChunk
+from tritonllm.tokenization import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+# Written by `make engines TARGET=trtllm-pytorch` next to the model's adapter: the LLM
+# API's own options (the keys of trtllm-serve's extra_llm_api_options YAML).
+OPTIONS_FILE = "llm_api_options.yaml"
+# TensorRT-LLM's finish reasons; a timeout ends the answer as max_tokens would.
+_FINISH_REASONS = {
+    "stop": "stop",
+    "length": "length",
+    "timeout": "length",
+    "cancelled": "cancelled",
+}
+# How often running requests are checked for a cancelled client (queued ones included).
+CANCEL_POLL_S = 0.05
+
+
+def load_options(path: Path) -> dict[str, Any]:
+    import yaml
+
+    options = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(options, dict):
+        raise ValueError(f"{path}: expected a mapping of LLM API options")
+    return options
+
+
+def llm_kwargs(model_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """``LLM(**...)`` for ``model_dir`` with the build's options. Nested options
+    (``kv_cache_config``, ``scheduler_config``) become TensorRT-LLM's config objects
+    through its own converter, the one trtllm-serve and NVIDIA's Triton model use."""
+    base = {"model": str(model_dir)}
+    try:
+        from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
+    except ImportError:  # an older layout: LLM's pydantic args take the dicts themselves
+        return {**base, **options}
+    return update_llm_args_with_extra_dict(base, options)
+
+
+def _greedy(request: GenerationRequest) -> bool:
+    s = request.sampling
+    if s.temperature == 0 or s.top_k == 1:
+        return True
+    return s.temperature is None and s.top_k == 0 and s.top_p is None
+
+
+def sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
+    """``tensorrt_llm.SamplingParams`` keyword arguments for ``request``.
+
+    Our outputs are token ids (postprocessing detokenizes), so the LLM API neither
+    detokenizes nor adds special tokens (preprocessing did). Stop words are matched
+    here, on the ids (:class:`OutputTracker`): the LLM API takes multi-token stop
+    sequences only as strings it would tokenize again.
+    """
+    s = request.sampling
+    bad = [w for w in s.bad_words if w]
+    if any(len(w) > 1 for w in bad):
+        raise InvalidRequest(
+            "bad words of more than one token are not supported by TensorRT-LLM's PyTorch "
+            "backend here; give single-token bad words"
+        )
+    kwargs: dict[str, Any] = {
+        "max_tokens": request.max_tokens,
+        "end_id": request.end_id,
+        "pad_id": request.pad_id,
+        "seed": s.seed,
+        "min_tokens": s.min_tokens or None,
+        "repetition_penalty": s.repetition_penalty,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "bad_token_ids": [w[0] for w in bad] or None,
+        "logprobs": 1 if request.return_log_probs else None,
+        "detokenize": False,
+        "add_special_tokens": False,
+    }
+    if _greedy(request):
+        kwargs["top_k"] = 1
+    else:
+        # top_k 0 is "no top-k": TensorRT-LLM decodes greedily when neither top_k nor
+        # top_p is set, even with a temperature; the torch engine samples then.
+        kwargs.update(top_k=s.top_k, top_p=s.top_p, temperature=s.temperature)
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def prompt(request: GenerationRequest) -> dict[str, list[int]]:
+    """The LLM API's ``TokensPrompt``: the ids preprocessing made."""
+    return {"prompt_token_ids": list(request.input_ids)}
+
+
+def _token_log_probs(tokens: Sequence[int], logprobs) -> list[float]:
+    """The sampled tokens' log probabilities from the LLM API's ``logprobs`` (a float per
+    token, or per token a dict of candidate id -> ``Logprob``/float)."""
+    values = []
+    for token, entry in zip(tokens, logprobs or (), strict=False):
+        if isinstance(entry, dict):
+            entry = entry.get(token, max(entry.values(), key=_logprob, default=0.0))
+        values.append(_logprob(entry))
+    return values + [0.0] * (len(tokens) - len(values))
+
+
+def _logprob(entry) -> float:
+    return float(getattr(entry, "logprob", entry))
+
+
+@dataclass
+class OutputTracker:
+    """One request's LLM API outputs -> our chunks (the torch engine's shapes)."""
+
+    request: GenerationRequest
+    sent: int = 0  # streamed tokens sent so far
+    checked: int = 0  # tokens searched for a stop word
+    done: bool = False
+
+    def update(
+        self,
+        token_ids: Sequence[int],
+        logprobs=None,
+        finish_reason: str | None = None,
+        finished: bool = False,
+    ) -> tuple[GenerationChunk | None, bool]:
+        """The chunk to send for the request's output so far (``token_ids``: all the
+        generated ones) and whether the engine must stop it now (a stop word ended it)."""
+        if self.done:
+            return None, False
+        tokens = list(token_ids)
+        cut = self._stop_at(tokens)
+        abort = False
+        if cut is not None:
+            tokens, abort, finished, finish_reason = tokens[:cut], not finished, True, "stop"
+        elif len(tokens) >= self.request.max_tokens:
+            tokens, finished = tokens[: self.request.max_tokens], True
+            finish_reason = finish_reason if finish_reason in ("stop", "length") else "length"
+        if finished:
+            self.done = True
+            reason = _FINISH_REASONS.get(finish_reason or "stop", "stop")
+            return self._chunk(tokens, logprobs, reason), abort
+        if not self.request.streaming or len(tokens) == self.sent:
+            return None, False
+        return self._chunk(tokens, logprobs, None), False
+
+    def _stop_at(self, tokens: list[int]) -> int | None:
+        """Where the answer ends: after a stop word (kept, as the torch engine keeps it)
+        or before the end id (never part of the answer)."""
+        request = self.request
+        for i in range(self.checked, len(tokens)):
+            if request.end_id is not None and tokens[i] == request.end_id:
+                return i
+            done = tokens[: i + 1]
+            if any(len(w) <= len(done) and tuple(done[-len(w) :]) == w for w in request.stop_words):
+                return i + 1
+        self.checked = len(tokens)
+        return None
+
+    def _chunk(self, tokens: list[int], logprobs, reason: str | None) -> GenerationChunk:
+        log_probs = _token_log_probs(tokens, logprobs)
+        if self.request.streaming:
+            new, new_log_probs = tokens[self.sent :], log_probs[self.sent :]
+            self.sent = len(tokens)
+        elif self.request.exclude_input_in_output:
+            new, new_log_probs = tokens, log_probs
+        else:
+            new, new_log_probs = list(self.request.input_ids) + tokens, log_probs
+        return GenerationChunk(
+            token_ids=new,
+            log_probs=new_log_probs,
+            cum_log_prob=float(sum(log_probs)),
+            num_input_tokens=len(self.request.input_ids),
+            num_output_tokens=len(tokens),
+            finished=reason is not None,
+            finish_reason=reason,
+        )
+
+
+class Sink(Protocol):
+    """Where a request's chunks go (the adapter's Triton response sender)."""
+
+    def send(self, chunk: GenerationChunk) -> None: ...
+
+    def fail(self, message: str, code: str = "INTERNAL") -> None: ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+@dataclass
+class _Running:
+    request: GenerationRequest
+    sink: Sink
+    output: Any = None  # the LLM API's RequestOutput once submitted
+    aborted: bool = False
+    tracker: OutputTracker = field(init=False)
+
+    def __post_init__(self):
+        self.tracker = OutputTracker(self.request)
+
+
+class LLMAPIEngine:
+    """The torch engine's verbs over TensorRT-LLM's ``LLM`` (its own in-flight batching).
+
+    ``generate_async`` runs on one asyncio loop in a thread of its own; Triton's
+    ``execute`` only hands requests over. At most ``max_batch_size + max_queue_size``
+    requests are held; past that a request is refused busy (the Serve app answers 503),
+    as the torch engine and the tensorrtllm backend do.
+    """
+
+    def __init__(
+        self,
+        llm,
+        sampling_params_cls,
+        max_batch_size: int,
+        max_queue_size: int,
+        max_input_len: int = 0,
+        max_seq_len: int = 0,
+    ):
+        self._llm = llm
+        self._sampling_params_cls = sampling_params_cls
+        self._capacity = max_batch_size + max_queue_size
+        self._max_input_len = max_input_len
+        self._max_seq_len = max_seq_len
+        self._running: dict[int, _Running] = {}
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="llmapi", daemon=True)
+        self._thread.start()
+        self._reaper = asyncio.run_coroutine_threadsafe(self._reap_cancelled(), self._loop)
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+        """Start ``request``; raises InvalidRequest or EngineBusy before any work."""
+        self._validate(request)
+        params = self._sampling_params(request)
+        entry = _Running(request, sink)
+        with self._lock:
+            if len(self._running) >= self._capacity:
+                raise EngineBusy(
+                    f"{len(self._running)} requests running or queued, the engine's limit "
+                    "(max_batch_size + max_queue_size): retry later"
+                )
+            self._running[id(entry)] = entry
+        asyncio.run_coroutine_threadsafe(self._run(entry, params), self._loop)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop every running request with ``request_id`` (the contract's ``stop`` input)."""
+        with self._lock:
+            entries = [e for e in self._running.values() if e.request.request_id == request_id]
+        for entry in entries:
+            self._loop.call_soon_threadsafe(self._abort, entry)
+
+    def active(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    def shutdown(self) -> None:
+        self._reaper.cancel()
+        with self._lock:
+            entries = list(self._running.values())
+        for entry in entries:
+            self._loop.call_soon_threadsafe(self._abort, entry)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        shutdown = getattr(self._llm, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    def _validate(self, request: GenerationRequest) -> None:
+        if not request.input_ids:
+            raise InvalidRequest("input_ids is empty: the prompt must contain at least one token")
+        if request.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be > 0, got {request.max_tokens}")
+        length = len(request.input_ids)
+        if self._max_input_len and length > self._max_input_len:
+            raise InvalidRequest(
+                f"the prompt has {length} tokens, more than max_input_len "
+                f"({self._max_input_len}); shorten it"
+            )
+        if self._max_seq_len and length + request.max_tokens > self._max_seq_len:
+            raise InvalidRequest(
+                f"prompt ({length} tokens) + max_tokens ({request.max_tokens}) exceeds "
+                f"max_seq_len ({self._max_seq_len}); shorten the prompt or lower max_tokens"
+            )
+
+    def _sampling_params(self, request: GenerationRequest):
+        try:
+            return self._sampling_params_cls(**sampling_kwargs(request))
+        except (ValueError, TypeError) as error:  # TensorRT-LLM's own validation
+            raise InvalidRequest(f"invalid sampling parameters: {error}") from None
+
+    async def _run(self, entry: _Running, params) -> None:
+        request, sink = entry.request, entry.sink
+        try:
+            entry.output = self._llm.generate_async(
+                prompt(request), sampling_params=params, streaming=request.streaming
+            )
+            if entry.aborted:  # cancelled while it was being submitted
+                self._abort(entry, force=True)
+            if request.streaming:
+                async for result in entry.output:
+                    if self._deliver(entry, result):
+                        break
+            else:
+                self._deliver(entry, await entry.output.aresult())
+            if not entry.tracker.done:  # aborted: the LLM API ended it without a reason
+                sink.send(entry.tracker.update([], finished=True, finish_reason="cancelled")[0])
+        except Exception as error:
+            if entry.aborted and not entry.tracker.done:
+                sink.send(entry.tracker.update([], finished=True, finish_reason="cancelled")[0])
+            elif not entry.tracker.done:
+                log.exception("request %s failed in the LLM API", request.request_id)
+                code = "INVALID_ARG" if isinstance(error, ValueError) else "INTERNAL"
+                sink.fail(f"TensorRT-LLM: {error}", code)
+        finally:
+            with self._lock:
+                self._running.pop(id(entry), None)
+
+    def _deliver(self, entry: _Running, result) -> bool:
+        """Send what ``result`` adds; True when the request has ended here."""
+        completion = result.outputs[0]
+        chunk, abort = entry.tracker.update(
+            completion.token_ids,
+            getattr(completion, "logprobs", None),
+            getattr(completion, "finish_reason", None),
+            bool(getattr(result, "finished", False)),
+        )
+        if chunk is not None:
+            entry.sink.send(chunk)
+        if abort:
+            self._abort(entry)
+        return entry.tracker.done
+
+    def _abort(self, entry: _Running, force: bool = False) -> None:
+        if entry.aborted and not force:
+            return
+        entry.aborted = True
+        if entry.output is not None:
+            try:
+                entry.output.abort()
+            except Exception:  # already finished
+                log.debug("abort of %s: nothing to stop", entry.request.request_id)
+
+    async def _reap_cancelled(self) -> None:
+        """Stop the requests whose client went away (queued ones too: they produce no
+        output to notice it on)."""
+        while True:
+            await asyncio.sleep(CANCEL_POLL_S)
+            with self._lock:
+                entries = list(self._running.values())
+            for entry in entries:
+                if not entry.aborted and entry.sink.is_cancelled():
+                    self._abort(entry)
