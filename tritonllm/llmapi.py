@@ -257,7 +257,7 @@ class LLMAPIEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="llmapi", daemon=True)
         self._thread.start()
-        self._reaper = asyncio.run_coroutine_threadsafe(self._reap_cancelled(), self._loop)
+        asyncio.run_coroutine_threadsafe(self._reap_cancelled(), self._loop)
 
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Start ``request``; raises InvalidRequest or EngineBusy before any work."""
@@ -285,16 +285,25 @@ class LLMAPIEngine:
             return len(self._running)
 
     def shutdown(self) -> None:
-        self._reaper.cancel()
         with self._lock:
             entries = list(self._running.values())
         for entry in entries:
             self._loop.call_soon_threadsafe(self._abort, entry)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
+        try:
+            asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(timeout=30)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
         shutdown = getattr(self._llm, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+    async def _close(self) -> None:
+        """End the cancellation poll and what still runs, on the loop itself."""
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _validate(self, request: GenerationRequest) -> None:
         if not request.input_ids:
@@ -322,12 +331,16 @@ class LLMAPIEngine:
     async def _run(self, entry: _Running, params) -> None:
         request, sink = entry.request, entry.sink
         try:
+            # Stop words need every step to be seen (and the request aborted on one),
+            # so the LLM API streams whenever there are any; the tracker still sends a
+            # non-streamed request one answer at the end.
+            stream = request.streaming or bool(request.stop_words)
             entry.output = self._llm.generate_async(
-                prompt(request), sampling_params=params, streaming=request.streaming
+                prompt(request), sampling_params=params, streaming=stream
             )
             if entry.aborted:  # cancelled while it was being submitted
                 self._abort(entry, force=True)
-            if request.streaming:
+            if stream:
                 async for result in entry.output:
                     if self._deliver(entry, result):
                         break
