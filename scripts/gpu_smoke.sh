@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU path in one run (under 8 minutes on one NVIDIA GPU): the torch engine on CUDA
-# through Triton, the in-process host where `tritonserver` imports, and where
-# TensorRT-LLM is installed a tiny engine build and one request. Prints a table.
+# The GPU path in one run (about 10 minutes on one NVIDIA GPU): the torch engine on CUDA
+# through Triton, the in-process host where `tritonserver` imports, where `trtllm-build`
+# exists a tiny TensorRT engine build and one request, and where TensorRT-LLM has its
+# PyTorch backend the trtllm-pytorch target (LLM API, no engine build) answering
+# through Triton. Prints a table per part; exits non-zero when a required step fails.
 #
 #   scripts/gpu_smoke.sh            # in the GPU image: docker run --gpus 1 ... scripts/gpu_smoke.sh
 #   scripts/gpu_smoke.sh --pytest   # also the in-process host's integration tests
@@ -15,4 +17,7 @@ fi
 # The project's venv where there is one (make venv), else this Python (the images).
 python=python3
 [ -x .venv/bin/python ] && python=.venv/bin/python
-exec timeout --signal=INT --kill-after=30 480 "$python" -m bench.gpu_smoke "$@"
+status=0
+timeout --signal=INT --kill-after=30 480 "$python" -m bench.gpu_smoke "$@" || status=$?
+timeout --signal=INT --kill-after=30 300 "$python" -m tests.gpu.smoke_llmapi || status=$((status ? status : $?))
+exit "$status"
