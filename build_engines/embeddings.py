@@ -10,14 +10,12 @@ its own, like the LLM's, and survives the virtualenv it came from.
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from build_engines import templates
-from build_engines.repository import EmbeddingRepository
+from build_engines.repository import EmbeddingRepository, link_or_copy
 from build_engines.targets.base import BuildReport, DynamicBatching, Reporter
 from tritonllm import contract
 from tritonllm.embeddings import read_pipeline
@@ -66,14 +64,7 @@ def _fingerprint(source: Path) -> dict:
 
 
 def _link_or_copy(source: Path, destination: Path) -> None:
-    shutil.rmtree(destination, ignore_errors=True)
-    for path in _source_files(source):
-        target = destination / path.relative_to(source)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, target)
-        except OSError:  # another file system: copy instead
-            shutil.copy2(path, target)
+    link_or_copy(source, destination, _source_files(source))
 
 
 def build_embeddings(

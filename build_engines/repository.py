@@ -9,7 +9,9 @@ weights a build writes (``<weights_model>/1/hf_model``).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 from tritonllm import contract
@@ -121,3 +123,16 @@ class EmbeddingRepository(ModelRepository):
     weights_model = contract.EMBEDDINGS
     kind = "embeddings repository"
     option = "--embedding-repository embedding_repository"
+
+
+def link_or_copy(source: Path, destination: Path, files: Iterable[Path]) -> None:
+    """``files`` (under ``source``) at the same places under a fresh ``destination``:
+    hard links where the two share a file system (no extra disk), copies elsewhere."""
+    shutil.rmtree(destination, ignore_errors=True)
+    for path in files:
+        target = destination / path.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:  # another file system: copy instead
+            shutil.copy2(path, target)

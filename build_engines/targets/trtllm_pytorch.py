@@ -8,7 +8,9 @@ no engine: the ``tensorrt_llm`` model becomes a Python-backend model
 with the LLM API, on the same tensor contract, so the ensemble and the Serve app are
 unchanged. Its settings come from ``build_engines/trtllm.yaml`` like the engine
 build's (the engine-only ones are ignored), written to ``tensorrt_llm/1/``
-``llm_api_options.yaml``; the checkpoint is referenced, not copied.
+``llm_api_options.yaml``. The checkpoint is hard-linked (copied across file systems)
+into ``tensorrt_llm/1/hf_model``, so the repository is whole on its own, like one
+holding an engine: the serving containers mount only the repositories.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable
 import yaml
 
 from build_engines import default_model, templates
-from build_engines.repository import ModelRepository
+from build_engines.repository import ModelRepository, link_or_copy
 from build_engines.targets.base import BuildReport, BuildSpec, DynamicBatching, Reporter
 from build_engines.targets.torch_engine import RAGGED, source_digest, validate_checkpoint
 from build_engines.targets.trtllm_engine import installed_version, load_settings
@@ -69,10 +71,11 @@ class TrtllmPytorchTarget:
         start = time.monotonic()
         settings = load_settings(spec)
         options = llm_api_options(settings)
-        checkpoint = validate_checkpoint(spec.model) if spec.model else repo.default_checkpoint_dir
-        if spec.model and checkpoint.is_relative_to(repo.engine_version_dir):
+        source = validate_checkpoint(spec.model) if spec.model else None
+        checkpoint = repo.default_checkpoint_dir  # what Triton serves, inside the repository
+        if source is not None and source.is_relative_to(repo.engine_version_dir):
             raise ValueError(
-                f"MODEL={checkpoint} lies among the files a build replaces "
+                f"MODEL={source} lies among the files a build replaces "
                 f"({repo.engine_version_dir}): copy the checkpoint elsewhere first"
             )
         fingerprint = self._fingerprint(spec, options)
@@ -80,8 +83,13 @@ class TrtllmPytorchTarget:
         skipped = manifest == fingerprint and not spec.force
         if manifest.get("target") != self.name or spec.force:
             repo.clean()  # another target's engine, weights or configs
-        if not spec.model and not repo.holds(fingerprint["model"], checkpoint):
-            default_model.write_default_model(checkpoint, spec.size, reporter)
+        if not repo.holds(fingerprint["model"], checkpoint):
+            if source is None:
+                default_model.write_default_model(checkpoint, spec.size, reporter)
+            else:
+                reporter.stage(f"linking {source} into {checkpoint}")
+                files = sorted(p for p in source.rglob("*") if p.is_file())
+                link_or_copy(source, checkpoint, files)
         reporter.stage("writing the LLM API options and the model configs")
         (repo.engine_version_dir / OPTIONS_FILE).write_text(
             "# Written by `make engines TARGET=trtllm-pytorch` from build_engines/trtllm.yaml:\n"

@@ -126,14 +126,19 @@ def test_the_llmapi_config_is_a_python_model_on_our_contract(repo, checkpoint_di
             "model_repository": str(repo.model_dir(contract.TENSORRT_LLM)),
         }
     )
-    assert args.path("engine_dir") == checkpoint_dir.resolve()
+    # The checkpoint is linked into the repository: it is whole where it is mounted.
+    assert config.parameters["engine_dir"].string_value == "tensorrt_llm/1/hf_model"
+    served = args.path("engine_dir")
+    assert served == repo.default_checkpoint_dir
+    assert (served / "config.json").read_bytes() == (checkpoint_dir / "config.json").read_bytes()
     options_path = args.path("llm_api_options")
     assert options_path == repo.engine_version_dir / OPTIONS_FILE
     assert yaml.safe_load(options_path.read_text()) == llm_api_options(TrtllmSettings())
     assert args.int("max_batch_size") == 64 and args.int("max_queue_size") == 256
     assert args.int("max_input_len") == 2048 and args.int("max_seq_len") == 4096
-    # No engine, no copies: the tracked adapters stay, the checkpoint is referenced.
+    # No engine: the checkpoint, the options and the tracked adapters.
     assert sorted(p.name for p in repo.engine_version_dir.iterdir()) == [
+        "hf_model",
         "llm_api_options.yaml",
         "llmapi.py",
         "model.py",
@@ -141,7 +146,7 @@ def test_the_llmapi_config_is_a_python_model_on_our_contract(repo, checkpoint_di
     # The Serve app reads its batch size, tokenizer and KV-cache share from here.
     assert serve_repository.engine_batch_size(repo.root) == 64
     assert serve_repository.kv_cache_fraction(repo.root) == 0.85
-    assert serve_repository.tokenizer_dir(repo.root) == checkpoint_dir.resolve()
+    assert serve_repository.tokenizer_dir(repo.root) == repo.root / "tensorrt_llm/1/hf_model"
 
 
 def test_options_come_from_trtllm_yaml_and_rebuilds_are_configs_only(repo, checkpoint_dir):
