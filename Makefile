@@ -49,6 +49,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Both repositories: the LLM's ($(REPO)) and the embeddings model's ($(EMB_REPO)).
+# TARGET: auto | torch | trtllm | trtllm-pytorch (python -m build_engines --help).
 engines: venv
 	$(PY) -m build_engines --target $(TARGET) --repository $(REPO) \
 		--embedding-repository $(EMB_REPO) \
@@ -100,7 +101,7 @@ bench-engine: venv
 	$(PY) -m bench.engine $(BENCH_ARGS)
 
 # On a GPU box (the GPU image): torch engine on CUDA, in-process host, a tiny
-# TensorRT-LLM engine; prints a table (scripts/gpu_smoke.sh).
+# TensorRT-LLM engine, the trtllm-pytorch target; prints tables (scripts/gpu_smoke.sh).
 gpu-smoke: venv
 	scripts/gpu_smoke.sh $(SMOKE_ARGS)
 
