@@ -13,12 +13,13 @@ ray start --head --port="${RAY_PORT:-6379}" --dashboard-host=0.0.0.0 --block &
 ray_pid=$!
 trap 'kill -TERM "$ray_pid" 2>/dev/null; wait "$ray_pid"; exit 0' TERM INT
 
-python3 -m serve.deploy_config "$@" -o /tmp/serve.yaml || { kill -TERM "$ray_pid"; exit 2; }
+config="${SERVE_CONFIG_OUT:-/tmp/serve.yaml}"
+python3 -m serve.deploy_config "$@" -o "$config" || { kill -TERM "$ray_pid"; exit 2; }
 # The dashboard (which `serve deploy` talks to) comes up a few seconds after the head.
 deployed=0
 for _ in $(seq 90); do
     kill -0 "$ray_pid" 2>/dev/null || break
-    if serve deploy /tmp/serve.yaml; then deployed=1; break; fi
+    if serve deploy "$config"; then deployed=1; break; fi
     sleep 2
 done
 if [ "$deployed" != 1 ]; then

@@ -9,7 +9,9 @@ import json
 import re
 import shlex
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import dockerfile
@@ -184,6 +186,73 @@ def test_head_script_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(HEAD_SCRIPT)]).returncode == 0
 
 
+def stub_node(directory: Path, ray_exit: str = "", deploy_failures: int = 0) -> dict:
+    """``ray``, ``serve`` and ``python3`` stand-ins on PATH: the script's control flow is
+    under test (Ray itself runs on a real cluster in tests/integration)."""
+    directory.mkdir(exist_ok=True)
+    bin_dir = directory / "bin"
+    bin_dir.mkdir()
+    log, exit_file, deploys = directory / "log", directory / "ray-exit", directory / "deploys"
+    stubs = {
+        # `ray start --block`: alive until ray-exit holds its exit code, or killed.
+        "ray": [
+            f"trap 'echo ray-term >> {log}; exit 0' TERM",
+            f'echo "ray $*" >> {log}',
+            f"until [ -f {exit_file} ]; do sleep 0.1; done",
+            f'exit "$(cat {exit_file})"',
+        ],
+        # `serve deploy`: refused `deploy_failures` times (the dashboard not up yet).
+        "serve": [
+            f"n=$(cat {deploys} 2>/dev/null || echo 0); echo $((n + 1)) > {deploys}",
+            f'echo "serve $*" >> {log}',
+            f'[ "$n" -ge {deploy_failures} ]',
+        ],
+        "python3": [f'echo "python3 $*" >> {log}'],
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text("\n".join(["#!/usr/bin/env bash", *body, ""]))
+        (bin_dir / name).chmod(0o755)
+    if ray_exit:
+        exit_file.write_text(ray_exit)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "SERVE_CONFIG_OUT": str(directory / "s.yaml")}
+
+
+def wait_for_line(path: Path, text: str, script: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 20
+    while text not in _read(path):
+        assert time.monotonic() < deadline and script.poll() is None, _read(path)
+        time.sleep(0.1)
+
+
+def test_head_script_deploys_when_the_dashboard_takes_it_and_ends_with_ray(tmp_path):
+    env = stub_node(tmp_path / "node", deploy_failures=1)
+    script = subprocess.Popen([str(HEAD_SCRIPT), "--gpus-per-replica", "1"], env=env)
+    config = env["SERVE_CONFIG_OUT"]
+    wait_for_line(tmp_path / "node" / "deploys", "2", script)
+    time.sleep(0.3)
+    assert script.poll() is None  # deployed, and alive as long as Ray is
+    (tmp_path / "node" / "ray-exit").write_text("3")  # Ray's head dies
+    assert script.wait(10) == 3
+    log = _read(tmp_path / "node" / "log").splitlines()
+    assert log[0].startswith("ray start --head --port=6379 --dashboard-host=0.0.0.0 --block")
+    assert f"python3 -m serve.deploy_config --gpus-per-replica 1 -o {config}" in log
+    assert log.count(f"serve deploy {config}") == 2  # refused once, then deployed
+
+
+def test_head_script_stops_ray_on_sigterm_and_fails_if_ray_dies_before_the_deploy(tmp_path):
+    env = stub_node(tmp_path / "a")
+    script = subprocess.Popen([str(HEAD_SCRIPT)], env=env)
+    wait_for_line(tmp_path / "a" / "log", "serve deploy", script)
+    script.send_signal(signal.SIGTERM)  # docker stop, through init
+    assert script.wait(10) == 0 and "ray-term" in _read(tmp_path / "a" / "log")
+    env = stub_node(tmp_path / "b", ray_exit="1", deploy_failures=100)
+    assert subprocess.run([str(HEAD_SCRIPT)], env=env, timeout=20).returncode == 1
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 def deploy_config_args(command: str) -> list[str]:
     return shlex.split(re.search(r"-m serve\.deploy_config([^&]*)", command).group(1))
 
@@ -199,8 +268,10 @@ def test_the_deployed_serve_config_is_valid_for_serve(tmp_path, source, gpus):
         command = first(instructions(source), "CMD").value
     if command[0] == "docker/ray-head.sh":  # its arguments go to serve.deploy_config
         args = [*command[1:], "-o", ""]
-        assert "serve deploy /tmp/serve.yaml" in HEAD_SCRIPT.read_text()
-        assert '"$@" -o /tmp/serve.yaml' in HEAD_SCRIPT.read_text()
+        script = HEAD_SCRIPT.read_text()
+        assert 'config="${SERVE_CONFIG_OUT:-/tmp/serve.yaml}"' in script
+        assert '-m serve.deploy_config "$@" -o "$config"' in script
+        assert 'serve deploy "$config"' in script
     else:
         args = deploy_config_args(" ".join(command))
         assert "serve run /tmp/serve.yaml" in " ".join(command)
