@@ -146,6 +146,7 @@ class OutputTracker:
     sent: int = 0  # streamed tokens sent so far
     checked: int = 0  # tokens searched for a stop word
     done: bool = False
+    cum_log_prob: float = 0.0  # of the streamed tokens so far
 
     def update(
         self,
@@ -178,28 +179,31 @@ class OutputTracker:
         """Where the answer ends: after a stop word (kept, as the torch engine keeps it)
         or before the end id (never part of the answer)."""
         request = self.request
-        for i in range(self.checked, len(tokens)):
+        for i in range(self.checked, len(tokens)):  # each token once, however long
             if request.end_id is not None and tokens[i] == request.end_id:
                 return i
-            done = tokens[: i + 1]
-            if any(len(w) <= len(done) and tuple(done[-len(w) :]) == w for w in request.stop_words):
-                return i + 1
+            for word in request.stop_words:
+                if len(word) <= i + 1 and tuple(tokens[i + 1 - len(word) : i + 1]) == word:
+                    return i + 1
         self.checked = len(tokens)
         return None
 
     def _chunk(self, tokens: list[int], logprobs, reason: str | None) -> GenerationChunk:
-        log_probs = _token_log_probs(tokens, logprobs)
-        if self.request.streaming:
-            new, new_log_probs = tokens[self.sent :], log_probs[self.sent :]
+        if self.request.streaming:  # only the new tokens' log probabilities are read
+            new = tokens[self.sent :]
+            new_log_probs = _token_log_probs(new, (logprobs or [])[self.sent : len(tokens)])
             self.sent = len(tokens)
-        elif self.request.exclude_input_in_output:
-            new, new_log_probs = tokens, log_probs
+            self.cum_log_prob += sum(new_log_probs)
+            cum = self.cum_log_prob
         else:
-            new, new_log_probs = list(self.request.input_ids) + tokens, log_probs
+            new_log_probs = _token_log_probs(tokens, logprobs)
+            cum = sum(new_log_probs)
+            prompt = [] if self.request.exclude_input_in_output else list(self.request.input_ids)
+            new = prompt + tokens
         return GenerationChunk(
             token_ids=new,
             log_probs=new_log_probs,
-            cum_log_prob=float(sum(log_probs)),
+            cum_log_prob=float(cum),
             num_input_tokens=len(self.request.input_ids),
             num_output_tokens=len(tokens),
             finished=reason is not None,

@@ -93,6 +93,11 @@ def test_log_probs_of_the_sampled_tokens():
         [10, 11], [{10: Logprob(-0.5), 3: Logprob(-0.1)}, -1.5], "length", finished=True
     )
     assert chunk.log_probs == [-0.5, -1.5] and chunk.cum_log_prob == -2.0
+    streamed = OutputTracker(request(streaming=True, return_log_probs=True))
+    first, _ = streamed.update([10], [-0.5])
+    last, _ = streamed.update([10, 11, 12], [-0.5, -1.0, -0.25], "length", finished=True)
+    assert first.log_probs == [-0.5] and last.log_probs == [-1.0, -0.25]
+    assert last.cum_log_prob == -1.75 and last.num_output_tokens == 3
 
 
 def test_llm_kwargs_use_tensorrt_llms_own_converter_where_it_exists(monkeypatch, tmp_path):
