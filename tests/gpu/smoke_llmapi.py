@@ -80,7 +80,7 @@ class LLMAPISmoke:
         return f"configs for {self.checkpoint().name}; a second build is up to date"
 
     def answer(self) -> str:
-        from serve.triton.requests import GenerateParams
+        from serve.generation import GenerateParams
         from serve.triton.sidecar import SidecarHost
 
         if not (self.repo / "tensorrt_llm" / "config.pbtxt").is_file():

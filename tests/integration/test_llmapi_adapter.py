@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from serve.triton.requests import GenerateParams
+from serve.generation import GenerateParams
 from tests.integration.repositories import repository_with_limits
 from tests.integration.test_triton_hosts import collect
 from tests.reference import hf_greedy

@@ -6,7 +6,7 @@ Loaded instead of model.py when `make engines TARGET=trtllm-pytorch` wrote the c
 
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.engine.scheduler import EngineBusy
+from tritonllm.engine.scheduler import EngineBusy, merge_chunks
 from tritonllm.engine.tensors import chunk_to_tensors, is_stop_request, to_generation_request
 from tritonllm.llmapi import LLMAPIEngine, llm_kwargs, load_options
 from tritonllm.model_args import ModelArgs
@@ -63,7 +63,8 @@ class TritonPythonModel:
 
         options = load_options(model_args.path("llm_api_options"))
         llm = LLM(**llm_kwargs(model_args.path("engine_dir"), options))
-        self.responses = ResponseThread(poll_interval_s=0.02)
+        # What the thread finds queued for a request leaves as one response (model.py too).
+        self.responses = ResponseThread(poll_interval_s=0.02, merge=merge_chunks)
         self.engine = LLMAPIEngine(
             llm,
             SamplingParams,
