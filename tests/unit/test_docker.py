@@ -164,8 +164,10 @@ def test_only_the_api_port_is_published_on_every_interface():
 def test_serving_nodes_are_healthy_on_health_and_run_ray_in_the_foreground():
     services = rendered()
     head, worker, engines = services["ray-head"], services["ray-worker"], services["engines"]
+    assert "127.0.0.1:8000/health" in " ".join(head["healthcheck"]["test"])
+    # The worker's liveness is its main process (ray start --block); its 8000 is private.
+    assert worker["healthcheck"] == {"disable": True} and "ports" not in worker
     for service in (head, worker):
-        assert "127.0.0.1:8000/health" in " ".join(service["healthcheck"]["test"])
         assert service["init"] is True and service["restart"] == "unless-stopped"
     assert engines["healthcheck"] == {"disable": True} and engines["profiles"] == ["build"]
     assert engines["command"][:3] == ["make", "engines", "TARGET=auto"]
