@@ -247,6 +247,7 @@ def test_head_script_stops_ray_on_sigterm_and_fails_if_ray_dies_before_the_deplo
     env = stub_node(tmp_path / "a")
     script = subprocess.Popen([str(HEAD_SCRIPT)], env=env)
     wait_for_line(tmp_path / "a" / "log", "serve deploy", script)
+    wait_for_line(tmp_path / "a" / "log", "ray start", script)  # its TERM trap is set
     script.send_signal(signal.SIGTERM)  # docker stop, through init
     assert script.wait(10) == 0 and "ray-term" in _read(tmp_path / "a" / "log")
     env = stub_node(tmp_path / "b", ray_exit="1", deploy_failures=100)
