@@ -22,6 +22,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from serve.config import AppConfig
 from serve.deploy_config import deploy_config, load_base, main, triton_actor_options
+from serve.launch import THROUGHPUT_ENV
 from tests import compose_render
 from tests.conftest import ROOT
 
@@ -344,8 +345,13 @@ def test_gpu_dockerfile_builds_on_the_pinned_ngc_image():
     assert any(
         "/opt/tritonserver/python/tritonserver-" in r and "import tritonserver" in r for r in runs
     )
-    env = first(commands, "ENV").value
-    assert dict(zip(env[::2], env[1::2], strict=True))["NO_VENV"] == "1"  # make uses this Python
+    env = {}
+    for command in (c for c in commands if c.cmd == "ENV"):
+        env |= dict(zip(command.value[::2], command.value[1::2], strict=True))
+    assert env["NO_VENV"] == "1"  # make uses this Python
+    # Serve's high-throughput mode, as `make run` ships it, for every Ray process of
+    # the image (compose's nodes and the RayService's pods run this image).
+    assert THROUGHPUT_ENV.items() <= env.items()
     assert "127.0.0.1:8000/health" in " ".join(first(commands, "HEALTHCHECK").value)
     assert first(commands, "CMD").value[0] == "docker/ray-head.sh"
     # serve/config.yaml serves the embeddings model: the image can build its repository.
