@@ -45,6 +45,13 @@ def ensemble_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
     return values
 
 
+def ensemble_outputs(params: GenerateParams) -> tuple[str, ...]:
+    """The ensemble outputs a chunk is made of: asking for no others spares Triton and
+    the replica a serialization and a parse of each per response."""
+    counts = ("text_output", "num_input_tokens", "num_output_tokens")
+    return (*counts, "cum_log_probs") if params.return_log_probs else counts
+
+
 def stop_inputs() -> dict[str, np.ndarray]:
     """A ``tensorrt_llm`` request that stops the request with the same id."""
     return {

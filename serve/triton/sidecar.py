@@ -29,7 +29,13 @@ from serve.generation import GenerateParams, GenerationChunk
 from serve.triton.client import infer_inputs
 from serve.triton.host import GenerationError
 from serve.triton.launcher import TritonProcess
-from serve.triton.requests import chunk_from_outputs, ensemble_inputs, final_chunk, stop_inputs
+from serve.triton.requests import (
+    chunk_from_outputs,
+    ensemble_inputs,
+    ensemble_outputs,
+    final_chunk,
+    stop_inputs,
+)
 from tritonllm import contract
 
 log = logging.getLogger(__name__)
@@ -111,10 +117,13 @@ class SidecarHost:
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the answer's chunks, then one empty chunk with the finish reason."""
 
+        names = ensemble_outputs(params)
+
         async def requests():
             yield {
                 "model_name": model,
                 "inputs": infer_inputs(ensemble_inputs(params)),
+                "outputs": [grpc_aio.InferRequestedOutput(name) for name in names],
                 "request_id": params.request_id,
             }
 
@@ -126,9 +135,9 @@ class SidecarHost:
                 async for result, error in responses:
                     if error is not None:
                         raise classify(str(error.message()))
-                    response = result.get_response()
-                    outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
-                    if outputs:  # the empty final response of an EOS carries nothing
+                    if result.get_response().outputs:  # an EOS's empty final response: none
+                        arrays = {name: result.as_numpy(name) for name in names}
+                        outputs = {k: v for k, v in arrays.items() if v is not None}
                         last = chunk_from_outputs(outputs, params)
                         yield last
             except grpc.RpcError as error:  # the stream itself broke
