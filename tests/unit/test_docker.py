@@ -369,7 +369,8 @@ def test_cpu_dockerfile_runs_the_pytriton_server():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert "cpu-triton = [" in pyproject
     cmd = " ".join(first(commands, "CMD").value)
-    assert cmd.startswith("bash -c make engines") and "serve run" in cmd
+    assert cmd.startswith("bash -c make engines") and "python -m serve.launch" in cmd
+    assert "127.0.0.1:8000/health" in " ".join(first(commands, "HEALTHCHECK").value)
 
 
 def test_dockerignore_keeps_generated_files_and_venvs_out():
