@@ -103,3 +103,21 @@ def test_cli_refuses_what_the_embeddings_server_cannot_run(embedding_copy, tmp_p
     assert "comma-separated integers" in capsys.readouterr().err
     assert main([*args, "--preferred-batch-sizes", "64"]) == 2
     assert "must lie in 1..32" in capsys.readouterr().err
+
+
+def test_the_null_target_fills_the_torch_configs_with_the_null_engine(
+    built_repository, checkpoint_dir, tmp_path
+):
+    from build_engines.repository import ModelRepository
+
+    copy = ModelRepository(built_repository).copy_layout(tmp_path / "repo")
+    args = ["--only", "llm", "--repository", str(copy.root), "--model", str(checkpoint_dir)]
+    assert main([*args, "--target", "null", "--null-step-ms", "2.5"]) == 0
+    config = copy.config_path("tensorrt_llm").read_text()
+    assert 'key: "engine" value: { string_value: "null" }' in config
+    assert 'key: "null_step_ms" value: { string_value: "2.5" }' in config
+    assert main([*args, "--target", "torch"]) == 0  # the same template, the model's engine
+    assert (
+        'key: "engine" value: { string_value: "torch" }'
+        in copy.config_path("tensorrt_llm").read_text()
+    )
