@@ -280,7 +280,7 @@ def test_the_deployed_serve_config_is_valid_for_serve(tmp_path, source, gpus):
         assert 'serve deploy "$config"' in script
     else:
         args = deploy_config_args(" ".join(command))
-        assert "serve run /tmp/serve.yaml" in " ".join(command)
+        assert "python -m serve.launch /tmp/serve.yaml" in " ".join(command)
     args[args.index("-o") + 1] = str(tmp_path / "serve.yaml")
     assert main(args) == 0
     config = yaml.safe_load((tmp_path / "serve.yaml").read_text())
