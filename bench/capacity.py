@@ -38,8 +38,8 @@ from rich.table import Table
 
 from bench import cpu
 from bench.common import ROOT, build_bench_repository, make_prompts
-from bench.loadgen import OpenAITarget, TritonTarget, run_level, summarize
-from bench.serving import MODEL, NicedTriton, machine, serve_run
+from bench.loadgen import OpenAITarget, TritonTarget, run_level
+from bench.serving import MODEL, NicedTriton, machine, measured_level, serve_run
 from serve.launch import SERVE_MODES
 
 console = Console(soft_wrap=True, width=160)
@@ -94,12 +94,10 @@ async def sweep(targets: dict, prompts: list[str], levels, output_len: int, trit
         await run_level(target, prompts[:8], 8, output_len)
     for concurrency, count in levels:
         for name in (n for n in SYSTEMS if n in targets):
-            before = cpu.snapshot()
-            records, seconds = await run_level(
-                targets[name], prompts[:count], concurrency, output_len
-            )
-            level = {"system": name, "concurrency": concurrency, **summarize(records, seconds)}
-            level["cpu_s"] = cpu.by_role(before, cpu.snapshot(), triton_pid, os.getpid())
+            level = await measured_level(
+                name, targets[name], prompts[:count], concurrency, output_len, triton_pid,
+                os.getpid(),
+            )  # fmt: skip
             level |= cpu_figures(level, name)
             results.append(level)
             log_level(level)

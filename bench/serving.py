@@ -195,13 +195,10 @@ async def sweep(
         await run_level(target, prompts[:4], 2, output_len)
     for concurrency, count in plan:
         for name in (n for n in ORDER if n in targets):
-            before = cpu.snapshot()
-            records, seconds = await run_level(
-                targets[name], prompts[:count], concurrency, output_len
+            result = await measured_level(
+                name, targets[name], prompts[:count], concurrency, output_len, triton_pid
             )
-            result = {"system": name, "concurrency": concurrency, **summarize(records, seconds)}
-            result["cpu_s"] = cpu.by_role(before, cpu.snapshot(), triton_pid)
-            tokens = round(result["output_tokens_per_s"] * seconds)
+            tokens = round(result["output_tokens_per_s"] * result["seconds"])
             if name == "stack":
                 result["front_door_cpu_ms_per_token"] = cpu.front_door_ms_per_token(
                     result["cpu_s"], tokens
@@ -217,6 +214,24 @@ async def sweep(
     for target in targets.values():
         await target.aclose()
     return results
+
+
+async def measured_level(
+    name: str,
+    target,
+    prompts: list[str],
+    concurrency: int,
+    output_len: int,
+    triton_pid: int | None = None,
+    client_pid: int | None = None,
+) -> dict:
+    """One level of one system: the load generator's figures and the CPU each process
+    role spent meanwhile (Triton alone's apart; the load generator's with ``client_pid``)."""
+    before = cpu.snapshot()
+    records, seconds = await run_level(target, prompts, concurrency, output_len)
+    result = {"system": name, "concurrency": concurrency, **summarize(records, seconds)}
+    result["cpu_s"] = cpu.by_role(before, cpu.snapshot(), triton_pid, client_pid)
+    return result
 
 
 def log_level(result: dict) -> None:

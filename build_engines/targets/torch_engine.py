@@ -58,6 +58,14 @@ def validate_checkpoint(model_dir: Path) -> Path:
     return model_dir
 
 
+def model_fingerprint(spec: BuildSpec) -> dict:
+    """What identifies the checkpoint a build serves: its path, or the default model's
+    description and source (a change to either rebuilds it)."""
+    if spec.model:
+        return {"checkpoint": str(spec.model.expanduser().resolve())}
+    return {"default": default_model.describe(spec.size), "source": source_digest()}
+
+
 def source_digest() -> str:
     """Changes to the default model's code rebuild it."""
     digest = hashlib.sha256()
@@ -79,11 +87,7 @@ class TorchTarget:
         return None
 
     def _fingerprint(self, spec: BuildSpec) -> dict:
-        model = (
-            {"checkpoint": str(spec.model.expanduser().resolve())}
-            if spec.model
-            else {"default": default_model.describe(spec.size), "source": source_digest()}
-        )
+        model = model_fingerprint(spec)
         return {"target": self.name, "model": model, "options": asdict(spec.options)}
 
     def build(self, spec: BuildSpec, repo: ModelRepository, reporter: Reporter) -> BuildReport:

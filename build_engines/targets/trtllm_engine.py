@@ -24,7 +24,7 @@ from pathlib import Path
 from build_engines import default_model, templates
 from build_engines.repository import ModelRepository
 from build_engines.targets.base import BuildReport, BuildSpec, DynamicBatching, Reporter
-from build_engines.targets.torch_engine import RAGGED, source_digest, validate_checkpoint
+from build_engines.targets.torch_engine import RAGGED, model_fingerprint, validate_checkpoint
 from build_engines.trtllm_settings import (
     CLI_OVERRIDES,
     SettingsError,
@@ -138,11 +138,7 @@ class TrtllmTarget:
         )
 
     def _fingerprint(self, spec: BuildSpec, settings: TrtllmSettings) -> dict:
-        model = (
-            {"checkpoint": str(spec.model.expanduser().resolve())}
-            if spec.model
-            else {"default": default_model.describe(spec.size), "source": source_digest()}
-        )
+        model = model_fingerprint(spec)
         return {
             "target": self.name,
             "model": model,

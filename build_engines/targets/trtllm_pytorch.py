@@ -25,7 +25,7 @@ import yaml
 from build_engines import default_model, templates
 from build_engines.repository import ModelRepository, link_or_copy
 from build_engines.targets.base import BuildReport, BuildSpec, DynamicBatching, Reporter
-from build_engines.targets.torch_engine import RAGGED, source_digest, validate_checkpoint
+from build_engines.targets.torch_engine import RAGGED, model_fingerprint, validate_checkpoint
 from build_engines.targets.trtllm_engine import installed_version, load_settings
 from build_engines.trtllm_settings import TrtllmSettings, llm_api_options
 from tritonllm import contract
@@ -107,11 +107,7 @@ class TrtllmPytorchTarget:
         )
 
     def _fingerprint(self, spec: BuildSpec, options: dict) -> dict:
-        model = (
-            {"checkpoint": str(spec.model.expanduser().resolve())}
-            if spec.model
-            else {"default": default_model.describe(spec.size), "source": source_digest()}
-        )
+        model = model_fingerprint(spec)
         return {
             "target": self.name,
             "model": model,
