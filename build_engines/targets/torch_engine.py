@@ -9,7 +9,13 @@ from pathlib import Path
 
 from build_engines import default_model, templates
 from build_engines.repository import ModelRepository
-from build_engines.targets.base import BuildReport, BuildSpec, EngineOptions, Reporter
+from build_engines.targets.base import (
+    BuildReport,
+    BuildSpec,
+    DynamicBatching,
+    EngineOptions,
+    Reporter,
+)
 from tritonllm import contract
 
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -115,6 +121,31 @@ class TorchTarget:
             repo.config_path(model).write_text(text)
 
 
+def tokenizer_step_values(
+    triton_batch: int, batching: DynamicBatching, tokenizer_ref: str, preprocessing_instances: int
+) -> dict[str, dict]:
+    """The template values of the ensemble and the pre/postprocessing steps, the same
+    for every target: only the engine in the tensorrt_llm slot differs."""
+    common = {"triton_max_batch_size": triton_batch}
+    dynamic_batching = templates.render_dynamic_batching(batching, triton_batch)
+    return {
+        contract.ENSEMBLE: common,
+        contract.PREPROCESSING: {
+            **common,
+            "dynamic_batching": dynamic_batching,
+            "tokenizer_dir": tokenizer_ref,
+            "add_special_tokens": "true",
+            "preprocessing_instance_count": preprocessing_instances,
+        },
+        contract.POSTPROCESSING: {
+            **common,
+            "dynamic_batching": dynamic_batching,
+            "tokenizer_dir": tokenizer_ref,
+            "skip_special_tokens": "true",
+        },
+    }
+
+
 class NullTarget(TorchTarget):
     """The null engine (``tritonllm/engine/null_engine.py``), a benchmark instrument:
     the torch target's repository, its checkpoint's tokenizer, and no model math
@@ -128,22 +159,11 @@ def config_values(o: EngineOptions, checkpoint_ref: str, engine: str = "torch") 
     """The template values of the four models for a checkpoint served by the torch engine
     (or by the null engine, ``engine="null"``)."""
     common = {"triton_max_batch_size": o.triton_max_batch_size}
-    batching = templates.render_dynamic_batching(o.dynamic_batching, o.triton_max_batch_size)
+    steps = tokenizer_step_values(
+        o.triton_max_batch_size, o.dynamic_batching, checkpoint_ref, o.preprocessing_instance_count
+    )
     return {
-        contract.ENSEMBLE: common,
-        contract.PREPROCESSING: {
-            **common,
-            "dynamic_batching": batching,
-            "tokenizer_dir": checkpoint_ref,
-            "add_special_tokens": "true",
-            "preprocessing_instance_count": o.preprocessing_instance_count,
-        },
-        contract.POSTPROCESSING: {
-            **common,
-            "dynamic_batching": batching,
-            "tokenizer_dir": checkpoint_ref,
-            "skip_special_tokens": "true",
-        },
+        **steps,
         contract.TENSORRT_LLM: {
             **common,
             "engine_dir": checkpoint_ref,

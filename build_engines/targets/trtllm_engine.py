@@ -24,7 +24,12 @@ from pathlib import Path
 from build_engines import default_model, templates
 from build_engines.repository import ModelRepository
 from build_engines.targets.base import BuildReport, BuildSpec, DynamicBatching, Reporter
-from build_engines.targets.torch_engine import RAGGED, model_fingerprint, validate_checkpoint
+from build_engines.targets.torch_engine import (
+    RAGGED,
+    model_fingerprint,
+    tokenizer_step_values,
+    validate_checkpoint,
+)
 from build_engines.trtllm_settings import (
     CLI_OVERRIDES,
     SettingsError,
@@ -199,30 +204,16 @@ def fill_configs(
     """The four configs for the tensorrtllm backend, all from ``settings`` (and the
     pre/postprocessing's dynamic batching)."""
     tokenizer_ref = repo.reference(repo.engine_version_dir / TOKENIZER_DIR)
-    common = {"triton_max_batch_size": settings.triton_batch}
-    dynamic_batching = templates.render_dynamic_batching(
-        batching or DynamicBatching(), settings.triton_batch
-    )
     flags = {
         k: str(v).lower() if isinstance(v, bool) else v
         for k, v in dataclasses.asdict(settings).items()
     }
-    flags.update(common)
+    flags["triton_max_batch_size"] = settings.triton_batch
+    steps = tokenizer_step_values(
+        settings.triton_batch, batching or DynamicBatching(), tokenizer_ref, preprocessing_instances
+    )
     values = {
-        contract.ENSEMBLE: common,
-        contract.PREPROCESSING: {
-            **common,
-            "dynamic_batching": dynamic_batching,
-            "tokenizer_dir": tokenizer_ref,
-            "add_special_tokens": "true",
-            "preprocessing_instance_count": preprocessing_instances,
-        },
-        contract.POSTPROCESSING: {
-            **common,
-            "dynamic_batching": dynamic_batching,
-            "tokenizer_dir": tokenizer_ref,
-            "skip_special_tokens": "true",
-        },
+        **steps,
         contract.TENSORRT_LLM: {**flags, "engine_dir": str(repo.engine_version_dir)},
     }
     for model, model_values in values.items():

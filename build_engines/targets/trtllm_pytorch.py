@@ -25,7 +25,12 @@ import yaml
 from build_engines import default_model, templates
 from build_engines.repository import ModelRepository, link_or_copy
 from build_engines.targets.base import BuildReport, BuildSpec, DynamicBatching, Reporter
-from build_engines.targets.torch_engine import RAGGED, model_fingerprint, validate_checkpoint
+from build_engines.targets.torch_engine import (
+    RAGGED,
+    model_fingerprint,
+    tokenizer_step_values,
+    validate_checkpoint,
+)
 from build_engines.targets.trtllm_engine import installed_version, load_settings
 from build_engines.trtllm_settings import TrtllmSettings, llm_api_options
 from tritonllm import contract
@@ -126,28 +131,18 @@ def fill_configs(
     """The four configs: pre/postprocessing read the checkpoint's tokenizer, the
     tensorrt_llm model is the LLM API adapter over the same checkpoint."""
     common = {"triton_max_batch_size": settings.triton_batch}
-    dynamic_batching = templates.render_dynamic_batching(
-        batching or DynamicBatching(), settings.triton_batch
-    )
     flags = {
         k: str(v).lower() if isinstance(v, bool) else v
         for k, v in dataclasses.asdict(settings).items()
     }
+    steps = tokenizer_step_values(
+        settings.triton_batch,
+        batching or DynamicBatching(),
+        checkpoint_ref,
+        preprocessing_instances,
+    )
     values = {
-        contract.ENSEMBLE: common,
-        contract.PREPROCESSING: {
-            **common,
-            "dynamic_batching": dynamic_batching,
-            "tokenizer_dir": checkpoint_ref,
-            "add_special_tokens": "true",
-            "preprocessing_instance_count": preprocessing_instances,
-        },
-        contract.POSTPROCESSING: {
-            **common,
-            "dynamic_batching": dynamic_batching,
-            "tokenizer_dir": checkpoint_ref,
-            "skip_special_tokens": "true",
-        },
+        **steps,
         contract.TENSORRT_LLM: {
             **flags,
             **common,
