@@ -80,6 +80,14 @@ def installed_version() -> str | None:
     return match.group(1) if match else None
 
 
+# Why a TensorRT-LLM target cannot build here, and the fix (both TensorRT-LLM targets).
+NOT_INSTALLED = (
+    "TensorRT-LLM is not installed (no `tensorrt_llm` Python package): build inside "
+    "the GPU image (docker/Dockerfile.gpu, on nvcr.io/nvidia/tritonserver:"
+    "<yy.mm>-trtllm-python-py3) or use TARGET=torch for the CPU/torch engine"
+)
+
+
 class TrtllmTarget:
     name = "trtllm"
 
@@ -93,11 +101,7 @@ class TrtllmTarget:
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("tensorrt_llm") is None:
-            return (
-                "TensorRT-LLM is not installed (no `tensorrt_llm` Python package): build inside "
-                "the GPU image (docker/Dockerfile.gpu, on nvcr.io/nvidia/tritonserver:"
-                "<yy.mm>-trtllm-python-py3) or use TARGET=torch for the CPU/torch engine"
-            )
+            return NOT_INSTALLED
         if shutil.which("trtllm-build") is None:
             return (
                 f"TensorRT-LLM {self._version() or '(version unknown)'} is installed without "

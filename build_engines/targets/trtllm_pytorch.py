@@ -31,7 +31,7 @@ from build_engines.targets.torch_engine import (
     tokenizer_step_values,
     validate_checkpoint,
 )
-from build_engines.targets.trtllm_engine import installed_version, load_settings
+from build_engines.targets.trtllm_engine import NOT_INSTALLED, installed_version, load_settings
 from build_engines.trtllm_settings import TrtllmSettings, llm_api_options
 from tritonllm import contract
 from tritonllm.llmapi import OPTIONS_FILE
@@ -56,11 +56,7 @@ class TrtllmPytorchTarget:
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("tensorrt_llm") is None:
-            return (
-                "TensorRT-LLM is not installed (no `tensorrt_llm` Python package): build inside "
-                "the GPU image (docker/Dockerfile.gpu, on nvcr.io/nvidia/tritonserver:"
-                "<yy.mm>-trtllm-python-py3) or use TARGET=torch for the CPU/torch engine"
-            )
+            return NOT_INSTALLED
         version = self._version() or "unknown"
         if _version_tuple(version) < MIN_VERSION:
             return (

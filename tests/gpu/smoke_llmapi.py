@@ -22,6 +22,7 @@ from bench.gpu_smoke import (
     MAX_TOKENS,
     PROMPT,
     ROOT,
+    TINY_TRTLLM,
     Skip,
     Smoke,
     ask,
@@ -32,16 +33,6 @@ from bench.gpu_smoke import (
     report,
     run_step,
 )
-
-# Small enough for any GPU: the KV cache takes a fifth of the free memory.
-TINY_LLMAPI = """\
-dtype: float16
-max_batch_size: 4
-max_input_len: 256
-max_seq_len: 512
-max_num_tokens: 1024
-kv_cache_free_gpu_mem_fraction: 0.2
-"""
 
 
 class LLMAPISmoke:
@@ -57,7 +48,7 @@ class LLMAPISmoke:
 
     def args(self) -> list[str]:
         config = self.scratch / "trtllm-pytorch-tiny.yaml"
-        config.write_text(TINY_LLMAPI)
+        config.write_text(TINY_TRTLLM)  # the same small settings as the engine build's
         target = ["--target", "trtllm-pytorch", "--only", "llm"]
         return [*target, "--model", str(self.checkpoint()), "--trtllm-config", str(config)]
 
