@@ -87,21 +87,30 @@ def test_similar_sentences_score_higher_than_unrelated_ones(client):
     assert cosine(cat, cat2)[0] > 0.8 > cosine(cat, stocks)[0] + 0.5
 
 
+def settled_statistics(client) -> dict:
+    """The model's statistics once every answered request is counted.
+
+    Triton counts an execute once it has returned, which is after its responses went
+    out: the last batch may show a moment after the client has its answers. With no
+    request in flight, counts that hold still for 0.2 s are final."""
+    deadline = time.monotonic() + 10
+    previous = statistics(client)
+    while True:
+        time.sleep(0.2)
+        now = statistics(client)
+        if now["inference_count"] == previous["inference_count"] or time.monotonic() > deadline:
+            return now
+        previous = now
+
+
 def test_concurrent_requests_are_batched_and_keep_their_own_rows(client):
     alone = np.concatenate([embed(client, [t])[0] for t in MANY])
-    before = statistics(client)
+    before = settled_statistics(client)
     results = embed_concurrently(client, [[t] for t in MANY])
     together = np.concatenate([r.as_numpy("embedding") for r in results])
     np.testing.assert_allclose(together, alone, atol=1e-5)
-    # Triton counts an execute once it has returned, which is after its responses went
-    # out: the last batch may show a moment after the client has its answers.
-    deadline = time.monotonic() + 10
-    while True:
-        after = statistics(client)
-        inferences = int(after["inference_count"]) - int(before["inference_count"])
-        if inferences >= len(MANY) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    after = settled_statistics(client)
+    inferences = int(after["inference_count"]) - int(before["inference_count"])
     executions = int(after["execution_count"]) - int(before["execution_count"])
     assert inferences == len(MANY)
     # Sent all at once, most of them queue while the first runs: Triton merges them.
