@@ -29,6 +29,7 @@ class GenerateParams:
     frequency_penalty: float | None = None
     min_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate max_tokens whatever the model's end token
     return_log_probs: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     variant: str | None = None  # a multiplexed pool's variant (its own Triton ensemble)

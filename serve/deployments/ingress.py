@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 
 import numpy as np
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from serve.api.auth import load_api_keys
@@ -40,6 +41,10 @@ log = logging.getLogger("ray.serve")
 # behind a replica's max_ongoing_requests, so a saturated model may miss it: the
 # probes' failure thresholds (docker/) allow for a few misses in a row.
 READY_TIMEOUT_S = 5.0
+
+# How the engines word a prompt that does not fit the model's context (ours:
+# tritonllm.engine.request; TensorRT-LLM's: "... exceeds maximum input length").
+CONTEXT_EXCEEDED = re.compile(r"exceeds the maximum sequence length|exceeds maximum input length")
 
 
 class ReplicaLost(Overloaded):
@@ -61,13 +66,22 @@ def _translate(error: Exception) -> Exception:
 
 
 def as_api_error(error: BaseException) -> APIError | None:
-    """The client's answer for a failure behind the handle (None: not ours to map)."""
+    """The client's answer for a failure behind the handle (None: not ours to map).
+
+    A replica's exception crosses Ray as a RayTaskError whose text is the remote
+    traceback (file paths, pid, node address, actor id): the client gets only the
+    replica's own message, and the detail stays in the replica's log."""
+    if isinstance(error, RayTaskError) and isinstance(error.cause, GenerationError):
+        error = error.cause
     if isinstance(error, GenerationError):
+        message = str(error)
         if error.kind == GenerationError.INVALID:
-            return APIError(str(error))
+            if CONTEXT_EXCEEDED.search(message):
+                return APIError(message, code="context_length_exceeded")
+            return APIError(message)
         if error.kind == GenerationError.UNAVAILABLE:
-            return ReplicaLost(str(error))
-        return InternalError(str(error))
+            return ReplicaLost(message)
+        return InternalError(message)
     if isinstance(error, BackPressureError):
         return Overloaded("the model's replicas are all busy and their queue is full; retry")
     if isinstance(error, (RayActorError, ActorUnavailableError)):
@@ -148,7 +162,7 @@ class OpenAIIngress:
             stream=True, multiplexed_model_id=params.variant or ""
         )
         label = params.variant or model.id
-        responses = None
+        responses = chunk = None
         start = last = time.monotonic()
         first, finished = True, False
         self.metrics.generation_started(label)
@@ -160,13 +174,13 @@ class OpenAIIngress:
                 if chunk.text:
                     self.metrics.text_arrived(label, now - (start if first else last), first)
                     first, last = False, now
-                if chunk.finish_reason:
-                    self.metrics.tokens(label, chunk.num_input_tokens, chunk.num_output_tokens)
                 yield chunk
             finished = True
         except Exception as error:
             raise _translate(error) from None
         finally:
+            if chunk is not None:  # the prompt and what was generated, also if cancelled
+                self.metrics.tokens(label, chunk.num_input_tokens, chunk.num_output_tokens)
             self.metrics.generation_ended(label)
             if responses is not None and not finished:
                 _cancel(responses)

@@ -40,6 +40,8 @@ def ensemble_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
         if value is not None:
             spec = contract.tensor(contract.ENSEMBLE, name)
             values[name] = np.array([[value]], dtype=spec.numpy_dtype)
+    if params.ignore_eos:  # TensorRT-LLM's "no end id"
+        values["end_id"] = np.array([[-1]], dtype=np.int32)
     if params.stop:
         values["stop_words"] = np.array([[w.encode() for w in params.stop]], dtype=object)
     return values
