@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from serve.api.sampling import SamplingDefaults
 from serve.config import AppConfig, ModelConfig
 from serve.generation import GenerateParams, GenerationChunk
 
@@ -27,6 +28,9 @@ class Backend(Protocol):
 
     def chat_prompt(self, model: ModelConfig, messages: list[dict]) -> str:
         """The messages rendered with the model's chat template (one BOS)."""
+
+    def sampling_defaults(self, model: ModelConfig) -> SamplingDefaults:
+        """The model's checkpoint's sampling defaults (``generation_config.json``)."""
 
     async def start(
         self, model: ModelConfig, params: GenerateParams

@@ -134,8 +134,9 @@ def _choices(
         )
     ids = iter(_request_ids(request, len(prompts) * body.n))
     cap, default = model.max_tokens_cap, model.default_max_tokens
+    defaults = request.app.state.backend.sampling_defaults(model)
     return [
-        body.params(prompt, max_tokens, cap, default, next(ids), variant, choice=j)
+        body.params(prompt, max_tokens, cap, default, next(ids), variant, j, defaults)
         for prompt in prompts
         for j in range(body.n)
     ]
@@ -212,6 +213,7 @@ async def generate_post(body: GenerateRequest, request: Request, backend: Backen
         model.default_max_tokens,
         _request_ids(request, 1)[0],
         variant,
+        defaults=backend.sampling_defaults(model),
     )
     text, _ = await backend.collect(model, params)
     return {"text": text}

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from serve.api.errors import APIError
+from serve.api.sampling import GREEDY, SamplingDefaults, resolve
 from serve.generation import GenerateParams
 
 
@@ -96,6 +97,7 @@ class SamplingFields(BaseModel):
         request_id: str,
         variant: str | None = None,
         choice: int = 0,
+        defaults: SamplingDefaults = GREEDY,
     ) -> GenerateParams:
         """The engine request of one choice; the ``choice``-th of n samples with its
         own seed (seed + choice), so n seeded choices differ and repeat."""
@@ -104,16 +106,19 @@ class SamplingFields(BaseModel):
             raise APIError(
                 f"max_tokens {max_tokens} exceeds this server's cap of {cap}", param="max_tokens"
             )
+        sampling = resolve(
+            self.temperature, self.top_p, self.top_k, self.repetition_penalty, defaults
+        )
         return GenerateParams(
             request_id=request_id,
             variant=variant,
             prompt=prompt,
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
             seed=None if self.seed is None else (self.seed + choice) % 2**64,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=sampling.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             min_tokens=self.min_tokens,

@@ -29,6 +29,7 @@ from serve.api.backend import Embeddings
 from serve.api.chat_template import render_chat_prompt
 from serve.api.errors import APIError, InternalError, Overloaded
 from serve.api.http import create_app
+from serve.api.sampling import SamplingDefaults
 from serve.config import AppConfig, ModelConfig
 from serve.generation import GenerateParams, GenerationChunk, coalesce
 from serve.metrics import RequestMetrics
@@ -101,11 +102,13 @@ class OpenAIIngress:
         self.replicas = replicas  # model id -> DeploymentHandle of its Triton replicas
         self.config = config
         self.metrics = RequestMetrics()
-        self.tokenizers = {
-            m.id: load_tokenizer(str(repository.tokenizer_dir(m.triton.repository_path())))
+        checkpoints = {
+            m.id: repository.tokenizer_dir(m.triton.repository_path())
             for m in config.models
             if m.task == "generate"
         }
+        self.tokenizers = {i: load_tokenizer(str(d)) for i, d in checkpoints.items()}
+        self._sampling = {i: SamplingDefaults.from_checkpoint(d) for i, d in checkpoints.items()}
         self._api_keys = load_api_keys(config.api_keys.env, config.api_keys.file)
         log.info("API keys %s", "required" if self._api_keys else "not configured (open API)")
 
@@ -119,6 +122,9 @@ class OpenAIIngress:
 
     def chat_prompt(self, model: ModelConfig, messages: list[dict]) -> str:
         return render_chat_prompt(self.tokenizers[model.id], messages)
+
+    def sampling_defaults(self, model: ModelConfig) -> SamplingDefaults:
+        return self._sampling[model.id]
 
     # -- generation ----------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from serve.api.auth import load_api_keys
 from serve.api.backend import Embeddings
 from serve.api.errors import APIError, Overloaded
 from serve.api.http import create_app
+from serve.api.sampling import GREEDY
 from serve.config import AppConfig
 from serve.generation import GenerationChunk
 from serve.triton.requests import final_chunk
@@ -44,6 +45,7 @@ class FakeBackend:
     config = CONFIG
 
     def __init__(self, fail_after: int | None = None, error: Exception | None = None):
+        self.defaults = GREEDY  # what the checkpoint's generation_config.json asks for
         self.fail_after = fail_after  # raise `error` after this many chunks
         self.error = error
         self.params = []
@@ -51,6 +53,9 @@ class FakeBackend:
 
     def chat_prompt(self, model, messages):
         return " ".join(m["content"] for m in messages)
+
+    def sampling_defaults(self, model):
+        return self.defaults
 
     async def _chunks(self, params):
         self.params.append(params)

@@ -10,6 +10,7 @@ import pytest
 from ray.exceptions import RayTaskError
 
 from serve.api.errors import Overloaded
+from serve.api.sampling import GREEDY, SamplingDefaults, resolve
 from serve.api.stops import StopStringCutter, cut_text
 from serve.deployments.ingress import as_api_error
 from serve.triton.host import GenerationError
@@ -172,3 +173,38 @@ def test_a_replica_error_reaches_the_client_without_the_ray_traceback():
     assert error.message == str(too_long) and "pid" not in error.message
     lost = as_api_error(_crossed_ray(GenerationError("gone", GenerationError.UNAVAILABLE)))
     assert lost.status == 503 and lost.message == "gone"
+
+
+@pytest.mark.parametrize(
+    "fields, defaults, expected",
+    [
+        ({}, GREEDY, (None, None, 1)),
+        ({"temperature": 0}, GREEDY, (None, None, 1)),
+        # A temperature alone samples, on every engine (TensorRT-LLM alone would not).
+        ({"temperature": 0.7}, GREEDY, (0.7, 1.0, 0)),
+        ({"top_p": 0.9}, GREEDY, (1.0, 0.9, 0)),
+        ({"temperature": 0.7, "top_k": 1}, GREEDY, (None, None, 1)),
+        ({}, SamplingDefaults(do_sample=True, temperature=0.6, top_p=0.9), (0.6, 0.9, 0)),
+        ({"temperature": 0}, SamplingDefaults(do_sample=True, temperature=0.6), (None, None, 1)),
+        ({"temperature": 1.0}, SamplingDefaults(top_k=40), (1.0, 1.0, 40)),
+    ],
+)
+def test_sampling_is_resolved_into_explicit_engine_parameters(fields, defaults, expected):
+    resolved = resolve(
+        fields.get("temperature"), fields.get("top_p"), fields.get("top_k"), None, defaults
+    )
+    assert (resolved.temperature, resolved.top_p, resolved.top_k) == expected
+
+
+def test_the_checkpoints_generation_config_sets_the_defaults(tmp_path):
+    assert SamplingDefaults.from_checkpoint(tmp_path) == GREEDY
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": 2})
+    )
+    defaults = SamplingDefaults.from_checkpoint(tmp_path)
+    assert defaults == SamplingDefaults(do_sample=True, temperature=0.6, top_p=0.9)
+    backend = FakeBackend()
+    backend.defaults = defaults
+    client(backend).post("/v1/completions", json={"model": "llm", "prompt": "a"})
+    params = backend.params[-1]
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 0)
