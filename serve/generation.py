@@ -44,6 +44,9 @@ class GenerationChunk:
     num_output_tokens: int
     cum_log_prob: float | None = None
     finish_reason: str | None = None  # "stop" | "length" on the last chunk
+    # With ``return_log_probs``: the new tokens' ids and each one's log probability.
+    token_ids: tuple[int, ...] = ()
+    token_log_probs: tuple[float, ...] = ()
 
     def merged(self, later: GenerationChunk) -> GenerationChunk:
         """One chunk for this one and the ``later`` one of the same answer (OpenAI's
@@ -54,6 +57,8 @@ class GenerationChunk:
             num_output_tokens=later.num_output_tokens,
             cum_log_prob=later.cum_log_prob,
             finish_reason=later.finish_reason,
+            token_ids=self.token_ids + later.token_ids,
+            token_log_probs=self.token_log_probs + later.token_log_probs,
         )
 
 

@@ -81,6 +81,9 @@ ENSEMBLE_INPUTS = (
 
 ENSEMBLE_OUTPUTS = (
     _t("text_output", "STRING", -1),
+    # The generated ids, as tensorrt_llm returns them (an extension of NVIDIA's
+    # ensemble): the API names each token of a ``logprobs`` answer with them.
+    _t("output_ids", "INT32", -1, -1),
     _t("cum_log_probs", "FP32", -1),
     _t("output_log_probs", "FP32", -1, -1),
     _t("num_input_tokens", "INT32", 1),

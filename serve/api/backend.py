@@ -29,6 +29,9 @@ class Backend(Protocol):
     def chat_prompt(self, model: ModelConfig, messages: list[dict]) -> str:
         """The messages rendered with the model's chat template (one BOS)."""
 
+    def token_texts(self, model: ModelConfig, token_ids: tuple[int, ...]) -> list[str]:
+        """Each token's own text (a ``logprobs`` answer names its tokens)."""
+
     def sampling_defaults(self, model: ModelConfig) -> SamplingDefaults:
         """The model's checkpoint's sampling defaults (``generation_config.json``)."""
 
@@ -41,7 +44,8 @@ class Backend(Protocol):
     async def collect(
         self, model: ModelConfig, params: GenerateParams
     ) -> tuple[str, GenerationChunk]:
-        """The whole answer and its last chunk (finish reason, token counts)."""
+        """The whole answer and its last chunk (finish reason, token counts), whose
+        ``token_ids`` and ``token_log_probs`` are the whole answer's."""
 
     async def embed(self, model: ModelConfig, texts: list[str]) -> Embeddings:
         """One vector per text."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -21,7 +22,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from serve.api.auth import require_api_key
 from serve.api.backend import Backend
 from serve.api.errors import APIError, InternalError, NotFound, NotReady
-from serve.api.responses import chat_choice, completion_choice, merge, sse, usage
+from serve.api.responses import (
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    merge,
+    sse,
+    usage,
+)
 from serve.api.schemas import (
     MAX_CHOICES,
     ChatCompletionRequest,
@@ -32,7 +41,7 @@ from serve.api.schemas import (
 )
 from serve.api.stops import cut_stream, cut_text
 from serve.config import ModelConfig
-from serve.generation import GenerateParams
+from serve.generation import GenerateParams, GenerationChunk
 
 log = logging.getLogger("ray.serve")
 
@@ -231,17 +240,36 @@ async def _respond(
     served = params[0].variant or model.id
     base = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": served}
     echoes = echoes or [""] * len(params)
+    log_probs = _LogProbs(backend, model, kind, echoes) if params[0].return_log_probs else None
     if not body.stream:
-        return await _whole(backend, model, body, params, kind, echoes, base)
+        return await _whole(backend, model, body, params, kind, echoes, base, log_probs)
     starts = await _start_all(backend, model, params)
     starts = [
         await _shaped(first, rest, p, echo, body.include_stop_str_in_output)
         for (first, rest), p, echo in zip(starts, params, echoes, strict=True)
     ]
-    return StreamingResponse(_events(body, starts, kind, base), media_type="text/event-stream")
+    events = _events(body, starts, kind, base, log_probs)
+    return StreamingResponse(events, media_type="text/event-stream")
 
 
-async def _whole(backend, model, body, params, kind: str, echoes: list[str], base: dict):
+class _LogProbs:
+    """Each choice's ``logprobs``, chunk by chunk, in the shape of its endpoint."""
+
+    def __init__(self, backend: Backend, model: ModelConfig, kind: str, echoes: list[str]):
+        self._token_texts = functools.partial(backend.token_texts, model)
+        self._chat = kind == "chat.completion"
+        self._offsets = [len(echo) for echo in echoes]  # completions' text_offset so far
+
+    def __call__(self, index: int, chunk: GenerationChunk) -> dict:
+        tokens = self._token_texts(chunk.token_ids)
+        if self._chat:
+            return chat_logprobs(tokens, chunk.token_log_probs)
+        shaped = completion_logprobs(tokens, chunk.token_log_probs, self._offsets[index])
+        self._offsets[index] += sum(map(len, tokens))
+        return shaped
+
+
+async def _whole(backend, model, body, params, kind, echoes, base, log_probs):
     choice = chat_choice if kind == "chat.completion" else completion_choice
     results = await _gather(backend.collect(model, p) for p in params)
     choices = []
@@ -250,12 +278,12 @@ async def _whole(backend, model, body, params, kind: str, echoes: list[str], bas
         if p.stop:
             text, stopped = cut_text(text, p.stop, body.include_stop_str_in_output)
             finish = "stop" if stopped else finish
-        choices.append(choice(i, echoes[i] + text, finish, False))
+        choices.append(choice(i, echoes[i] + text, finish, False, log_probs and log_probs(i, last)))
     answer = {**base, "object": kind, "choices": choices, "usage": usage(_lasts(results))}
     return JSONResponse(answer)
 
 
-async def _events(body: SamplingFields, starts, kind: str, base: dict):
+async def _events(body: SamplingFields, starts, kind: str, base: dict, log_probs):
     """The SSE events of started choices: chunks as they come, the usage chunk, [DONE]."""
     choice = chat_choice if kind == "chat.completion" else completion_choice
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
@@ -269,12 +297,14 @@ async def _events(body: SamplingFields, starts, kind: str, base: dict):
         if chunk_kind == "chat.completion.chunk":
             role = {"role": "assistant", "content": ""}
             for index in range(len(starts)):
-                yield event([{"index": index, "delta": role, "finish_reason": None}])
+                opening = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
+                yield event([opening])
         async for index, chunk in merge(starts):
             lasts[index] = chunk
-            if chunk.text or chunk.finish_reason:
+            if chunk.text or chunk.finish_reason or chunk.token_ids:
                 extra = {"usage": usage(lasts)} if body.continuous_usage else {}
-                yield event([choice(index, chunk.text, chunk.finish_reason, True)], **extra)
+                shaped = log_probs and log_probs(index, chunk)
+                yield event([choice(index, chunk.text, chunk.finish_reason, True, shaped)], **extra)
     except APIError as error:  # mid-stream: an error event, never a cut stream
         failure = error
     except Exception:

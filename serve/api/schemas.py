@@ -124,7 +124,13 @@ class SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             stop=tuple(self.stop or ()),
             ignore_eos=self.ignore_eos,
+            return_log_probs=self.wants_log_probs,
         )
+
+    @property
+    def wants_log_probs(self) -> bool:
+        """The chosen tokens' log probabilities (the engines return no alternatives)."""
+        return False
 
     @property
     def include_usage(self) -> bool:
@@ -135,10 +141,34 @@ class SamplingFields(BaseModel):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
 
+def _only_chosen_tokens(alternatives: int | None) -> int | None:
+    if alternatives:
+        raise ValueError(
+            "the engines return the chosen token's log probability only, not "
+            f"alternatives: {alternatives} asked, the largest value supported is 0"
+        )
+    return alternatives
+
+
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text]  # a list gets n choices per prompt, in order
-    logprobs: None = None  # not implemented: any value is a 400
+    logprobs: int | None = Field(None, ge=0)  # 0: the chosen tokens' (no alternatives)
     echo: bool = False  # the prompt's text before each choice's answer
+
+    @field_validator("logprobs")
+    @classmethod
+    def _chosen_only(cls, alternatives):
+        return _only_chosen_tokens(alternatives)
+
+    @model_validator(mode="after")
+    def _no_prompt_log_probs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs (the prompt's log probabilities) is not supported")
+        return self
+
+    @property
+    def wants_log_probs(self) -> bool:
+        return self.logprobs is not None
 
     @field_validator("prompt")
     @classmethod
@@ -199,8 +229,23 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Literal[False] = False  # not implemented
-    top_logprobs: None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _chosen_only(cls, alternatives):
+        return _only_chosen_tokens(alternatives)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return self
+
+    @property
+    def wants_log_probs(self) -> bool:
+        return self.logprobs
 
     @property
     def requested_max_tokens(self) -> int | None:

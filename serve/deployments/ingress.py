@@ -14,6 +14,7 @@ full deployment (``max_queued_requests``) is a 503 at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -123,6 +124,10 @@ class OpenAIIngress:
     def chat_prompt(self, model: ModelConfig, messages: list[dict]) -> str:
         return render_chat_prompt(self.tokenizers[model.id], messages)
 
+    def token_texts(self, model: ModelConfig, token_ids: tuple[int, ...]) -> list[str]:
+        tokenizer = self.tokenizers[model.id]
+        return [tokenizer.decode([token]) for token in token_ids]
+
     def sampling_defaults(self, model: ModelConfig) -> SamplingDefaults:
         return self._sampling[model.id]
 
@@ -154,10 +159,13 @@ class OpenAIIngress:
             return await attempt(model, params)
 
     async def _collect(self, model: ModelConfig, params: GenerateParams):
-        text = []
+        text, token_ids, log_probs = [], [], []
         async for chunk in self._stream(model, params):
             text.append(chunk.text)
-        return "".join(text), chunk
+            token_ids += chunk.token_ids
+            log_probs += chunk.token_log_probs
+        whole = {"token_ids": tuple(token_ids), "token_log_probs": tuple(log_probs)}
+        return "".join(text), dataclasses.replace(chunk, **whole)
 
     async def _stream(
         self, model: ModelConfig, params: GenerateParams

@@ -371,3 +371,26 @@ def test_langchain_chat_openai_invokes_streams_and_batches(app_url, client):
     assert chat.invoke(question).content == expected
     assert "".join(part.content for part in chat.stream(question)) == expected
     assert [m.content for m in chat.batch([question, question])] == [expected, expected]
+
+
+def test_logprobs_of_the_chosen_tokens_whole_and_streamed(client):
+    asked = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True)
+    whole = client.chat.completions.create(**asked)
+    tokens = whole.choices[0].logprobs.content
+    assert "".join(t.token for t in tokens) == whole.choices[0].message.content
+    assert len(tokens) == whole.usage.completion_tokens and all(t.logprob <= 0 for t in tokens)
+    streamed = [
+        t
+        for chunk in client.chat.completions.create(**asked, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for t in chunk.choices[0].logprobs.content
+    ]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [
+        (t.token, round(t.logprob, 4)) for t in tokens
+    ]
+    completion = client.completions.create(
+        model=MODEL, prompt="The cat", max_tokens=8, temperature=0, logprobs=0
+    )
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    assert logprobs.text_offset[0] == 0 and len(logprobs.token_logprobs) == 8

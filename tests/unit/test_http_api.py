@@ -8,6 +8,8 @@ tests/integration/test_serve_app.py and test_production.py.
 from __future__ import annotations
 
 import base64
+import dataclasses
+import functools
 import json
 import logging
 
@@ -65,6 +67,8 @@ class FakeBackend:
             if self.fail_after is not None and i >= self.fail_after:
                 raise self.error
             last = GenerationChunk(" " + word, len(prompt), i + 1)
+            if params.return_log_probs:  # token i of the answer has id i, log prob -i
+                last = dataclasses.replace(last, token_ids=(i,), token_log_probs=(-float(i),))
             yield last
         yield final_chunk(last, params)
 
@@ -73,8 +77,11 @@ class FakeBackend:
         return await stream.__anext__(), stream
 
     async def collect(self, model, params):
-        chunks = [c async for c in self._chunks(params)]
-        return "".join(c.text for c in chunks), chunks[-1]
+        whole = functools.reduce(GenerationChunk.merged, [c async for c in self._chunks(params)])
+        return whole.text, whole
+
+    def token_texts(self, model, token_ids):
+        return [f"<{i}>" for i in token_ids]
 
     async def embed(self, model, texts):
         vectors = np.array([[len(t), 1.5, -2.0] for t in texts], dtype=np.float32)

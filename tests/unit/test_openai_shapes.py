@@ -208,3 +208,51 @@ def test_the_checkpoints_generation_config_sets_the_defaults(tmp_path):
     client(backend).post("/v1/completions", json={"model": "llm", "prompt": "a"})
     params = backend.params[-1]
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 0)
+
+
+def test_chat_logprobs_name_each_chosen_token_whole_and_streamed():
+    api = client()
+    body = chat("a b c", logprobs=True, top_logprobs=0)
+    answer = api.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]
+    assert [(t["token"], t["logprob"]) for t in answer["content"]] == [
+        ("<0>", 0.0),
+        ("<1>", -1.0),
+        ("<2>", -2.0),
+    ]
+    assert (
+        answer["content"][1]["bytes"] == list(b"<1>") and answer["content"][1]["top_logprobs"] == []
+    )
+    events = stream_events(api, "/v1/chat/completions", body)
+    streamed = [
+        t for e in events for c in e["choices"] if c["logprobs"] for t in c["logprobs"]["content"]
+    ]
+    assert streamed == answer["content"]
+    assert (
+        client().post("/v1/chat/completions", json=chat("a")).json()["choices"][0]["logprobs"]
+        is None
+    )
+
+
+def test_completion_logprobs_carry_tokens_and_their_offsets():
+    body = {"model": "llm", "prompt": "a b", "logprobs": 0}
+    logprobs = client().post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert logprobs == {
+        "tokens": ["<0>", "<1>"],
+        "token_logprobs": [0.0, -1.0],
+        "top_logprobs": None,
+        "text_offset": [0, 3],
+    }
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", chat("a", logprobs=True, top_logprobs=2), "top_logprobs"),
+        ("/v1/chat/completions", chat("a", top_logprobs=0), None),
+        ("/v1/completions", {"model": "llm", "prompt": "a", "logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"model": "llm", "prompt": "a", "logprobs": 0, "echo": True}, None),
+    ],
+)
+def test_alternatives_and_prompt_logprobs_are_400s_naming_the_limit(path, body, param):
+    error = error_of(client().post(path, json=body), 400)
+    assert error["param"] == param and "log" in error["message"]
