@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 class GenerateParams:
     """One generation request, already validated by the API layer."""
 
-    prompt: str
+    prompt: str  # "" when the client sent prompt_token_ids instead
     max_tokens: int
     temperature: float | None = None
     top_p: float | None = None
@@ -31,6 +31,7 @@ class GenerateParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # generate max_tokens whatever the model's end token
     return_log_probs: bool = False
+    prompt_token_ids: tuple[int, ...] = ()  # a prompt the client tokenized itself
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     variant: str | None = None  # a multiplexed pool's variant (its own Triton ensemble)
 

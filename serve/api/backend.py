@@ -29,6 +29,9 @@ class Backend(Protocol):
     def chat_prompt(self, model: ModelConfig, messages: list[dict]) -> str:
         """The messages rendered with the model's chat template (one BOS)."""
 
+    def vocab_size(self, model: ModelConfig) -> int:
+        """How many token ids the model's tokenizer knows (a token-id prompt's bound)."""
+
     def token_texts(self, model: ModelConfig, token_ids: tuple[int, ...]) -> list[str]:
         """Each token's own text (a ``logprobs`` answer names its tokens)."""
 

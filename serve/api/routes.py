@@ -155,10 +155,32 @@ def _choices(
 async def completions(body: CompletionRequest, request: Request, backend: BackendDep):
     model, variant = _target(request, backend, body.model, "generate")
     prompts = body.prompts
-    _check_prompt_chars(backend, sum(len(p) for p in prompts), "prompt")
+    if isinstance(prompts[0], str):
+        _check_prompt_chars(backend, sum(len(p) for p in prompts), "prompt")
+    else:
+        _check_token_ids(backend, model, prompts)
     params = _choices(request, body, model, variant, prompts, body.max_tokens)
-    echoes = [p.prompt if body.echo else "" for p in params]
+    echoes = [_prompt_text(backend, model, p) if body.echo else "" for p in params]
     return await _respond(backend, model, body, params, "text_completion", echoes)
+
+
+def _check_token_ids(backend: Backend, model: ModelConfig, prompts: list[list[int]]) -> None:
+    vocab = backend.vocab_size(model)
+    for i, ids in enumerate(prompts):
+        if len(ids) > backend.config.max_prompt_chars:
+            raise APIError(f"prompt {i} holds {len(ids)} tokens, more than the cap", "prompt")
+        outside = [t for t in ids if t >= vocab]
+        if outside:
+            raise APIError(
+                f"prompt {i} holds token ids outside the vocabulary [0, {vocab}): {outside[:5]}",
+                "prompt",
+            )
+
+
+def _prompt_text(backend: Backend, model: ModelConfig, params: GenerateParams) -> str:
+    if not params.prompt_token_ids:
+        return params.prompt
+    return "".join(backend.token_texts(model, params.prompt_token_ids))
 
 
 @router.post("/v1/chat/completions")

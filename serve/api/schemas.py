@@ -90,7 +90,7 @@ class SamplingFields(BaseModel):
 
     def params(
         self,
-        prompt: str,
+        prompt: str | list[int],
         max_tokens: int | None,
         cap: int,
         default: int,
@@ -109,10 +109,12 @@ class SamplingFields(BaseModel):
         sampling = resolve(
             self.temperature, self.top_p, self.top_k, self.repetition_penalty, defaults
         )
+        tokenized = not isinstance(prompt, str)
         return GenerateParams(
             request_id=request_id,
             variant=variant,
-            prompt=prompt,
+            prompt="" if tokenized else prompt,
+            prompt_token_ids=tuple(prompt) if tokenized else (),
             max_tokens=max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -150,8 +152,13 @@ def _only_chosen_tokens(alternatives: int | None) -> int | None:
     return alternatives
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text]  # a list gets n choices per prompt, in order
+    # A list gets n choices per prompt, in order; token ids are a prompt the client
+    # tokenized itself (one list, or a list of them), taken as they are.
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
     logprobs: int | None = Field(None, ge=0)  # 0: the chosen tokens' (no alternatives)
     echo: bool = False  # the prompt's text before each choice's answer
 
@@ -173,13 +180,17 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, prompt):
-        if isinstance(prompt, list) and not 1 <= len(prompt) <= 32:
-            raise ValueError("a list prompt holds 1 to 32 strings (one choice each)")
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return prompt
+        if not 1 <= len(prompt) <= 32:
+            raise ValueError("a list of prompts holds 1 to 32 prompts (one choice each)")
         return prompt
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str] | list[list[int]]:
+        """Each prompt: a text, or the token ids of one."""
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
 
 
 class TextPart(BaseModel):

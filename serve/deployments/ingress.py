@@ -124,6 +124,9 @@ class OpenAIIngress:
     def chat_prompt(self, model: ModelConfig, messages: list[dict]) -> str:
         return render_chat_prompt(self.tokenizers[model.id], messages)
 
+    def vocab_size(self, model: ModelConfig) -> int:
+        return len(self.tokenizers[model.id])
+
     def token_texts(self, model: ModelConfig, token_ids: tuple[int, ...]) -> list[str]:
         tokenizer = self.tokenizers[model.id]
         return [tokenizer.decode([token]) for token in token_ids]

@@ -42,6 +42,8 @@ def ensemble_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
         if value is not None:
             spec = contract.tensor(contract.ENSEMBLE, name)
             values[name] = np.array([[value]], dtype=spec.numpy_dtype)
+    if params.prompt_token_ids:
+        values["input_ids"] = np.array([params.prompt_token_ids], dtype=np.int32)
     if params.ignore_eos:  # TensorRT-LLM's "no end id"
         values["end_id"] = np.array([[-1]], dtype=np.int32)
     if params.stop:

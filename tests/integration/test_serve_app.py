@@ -394,3 +394,17 @@ def test_logprobs_of_the_chosen_tokens_whole_and_streamed(client):
     logprobs = completion.choices[0].logprobs
     assert "".join(logprobs.tokens) == completion.choices[0].text
     assert logprobs.text_offset[0] == 0 and len(logprobs.token_logprobs) == 8
+
+
+def test_a_token_id_prompt_answers_as_its_text_does(app_url, client, checkpoint_dir):
+    from tritonllm.tokenization import load_tokenizer
+
+    ids = load_tokenizer(str(checkpoint_dir)).encode("The cat")  # with BOS, as preprocessing
+    as_text = client.completions.create(model=MODEL, prompt="The cat", max_tokens=10)
+    as_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=10)
+    assert as_ids.choices[0].text == as_text.choices[0].text
+    assert as_ids.usage.prompt_tokens == as_text.usage.prompt_tokens == len(ids)
+    both = client.completions.create(model=MODEL, prompt=[ids, ids[:2]], max_tokens=4)
+    assert both.choices[0].text == as_text.choices[0].text[: len(both.choices[0].text)]
+    response = httpx.post(f"{app_url}/v1/completions", json={"model": MODEL, "prompt": [1, 10**6]})
+    assert response.status_code == 400 and "vocabulary" in response.json()["error"]["message"]

@@ -61,7 +61,7 @@ class FakeBackend:
 
     async def _chunks(self, params):
         self.params.append(params)
-        prompt = params.prompt.split()
+        prompt = params.prompt.split() or [f"t{i}" for i in params.prompt_token_ids]
         last = None
         for i, word in enumerate(prompt[: params.max_tokens]):
             if self.fail_after is not None and i >= self.fail_after:
@@ -82,6 +82,9 @@ class FakeBackend:
 
     def token_texts(self, model, token_ids):
         return [f"<{i}>" for i in token_ids]
+
+    def vocab_size(self, model):
+        return 100
 
     async def embed(self, model, texts):
         vectors = np.array([[len(t), 1.5, -2.0] for t in texts], dtype=np.float32)

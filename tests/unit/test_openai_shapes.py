@@ -256,3 +256,24 @@ def test_completion_logprobs_carry_tokens_and_their_offsets():
 def test_alternatives_and_prompt_logprobs_are_400s_naming_the_limit(path, body, param):
     error = error_of(client().post(path, json=body), 400)
     assert error["param"] == param and "log" in error["message"]
+
+
+def test_token_id_prompts_go_to_the_engine_as_they_are():
+    backend = FakeBackend()
+    api = client(backend)
+    body = {"model": "llm", "prompt": [[5, 6], [7]], "max_tokens": 1, "echo": True}
+    answer = api.post("/v1/completions", json=body).json()
+    assert [c["text"] for c in answer["choices"]] == ["<5><6> t5", "<7> t7"]
+    assert [(p.prompt, p.prompt_token_ids) for p in backend.params] == [("", (5, 6)), ("", (7,))]
+    api.post("/v1/completions", json={"model": "llm", "prompt": [9, 8, 7]})
+    assert backend.params[-1].prompt_token_ids == (9, 8, 7)
+
+
+@pytest.mark.parametrize(
+    "prompt, words",
+    [([3, 100], "outside the vocabulary [0, 100): [100]"), ([-1], "greater than or equal to 0")],
+)
+def test_a_token_id_outside_the_vocabulary_is_a_400_naming_it(prompt, words):
+    response = client().post("/v1/completions", json={"model": "llm", "prompt": prompt})
+    error = error_of(response, 400)
+    assert error["param"].startswith("prompt") and words in error["message"]
