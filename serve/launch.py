@@ -42,12 +42,12 @@ THROUGHPUT_ENV = {
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
 }
 
-# What `serve run` here is: one machine's stack, stopped as a whole by Ctrl-C. Behind
-# HAProxy an ingress replica that stops stays reachable for 30 s by default, so that
-# load balancers deregister it first; the local HAProxy stops with it, so 2 s is
-# enough, and Ctrl-C takes seconds instead of half a minute. A value in the caller's
-# environment wins.
-LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+# `serve run` here is one machine's stack, stopped as a whole by Ctrl-C. Behind HAProxy
+# a stopping ingress replica stays reachable for 30 s by default, so that external load
+# balancers deregister it first; here HAProxy is local and retries a refused connection
+# on another replica, so the replica closes its listener at once and Ctrl-C takes
+# seconds, not half a minute. A value in the caller's environment wins.
+LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 
 
 def serve_env(mode: str, haproxy_dir: Path | None = None, base: dict | None = None) -> dict:

@@ -19,11 +19,11 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from serve.triton.launcher import free_port
 from tests.conftest import ROOT
+from tests.integration.test_serve_app import wait_ready
 
 pytestmark = pytest.mark.integration
 STOP_WITHIN_S = 15
@@ -47,26 +47,27 @@ def processes_with(marker: bytes) -> dict[int, str]:
 
 
 class Terminal:
-    """A command in a pseudo-terminal, its output collected as it comes."""
+    """A command in a pseudo-terminal, its output copied to ``log`` as it comes."""
 
-    def __init__(self, argv: list[str], env: dict, cwd: Path):
+    def __init__(self, argv: list[str], env: dict, cwd: Path, log: Path):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: a session of its own, the pty its terminal
             os.chdir(cwd)
             os.execvpe(argv[0], argv, env)
-        self.output = bytearray()
+        self.log = log
         self.status: str | None = None
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        while True:
-            try:
-                chunk = os.read(self.fd, 65536)
-            except OSError:  # the terminal closed
-                return
-            if not chunk:
-                return
-            self.output += chunk
+        with self.log.open("wb", buffering=0) as out:
+            while True:
+                try:
+                    chunk = os.read(self.fd, 65536)
+                except OSError:  # the terminal closed
+                    return
+                if not chunk:
+                    return
+                out.write(chunk)
 
     def interrupt(self) -> None:
         """Type the terminal's interrupt character (Ctrl-C)."""
@@ -77,21 +78,12 @@ class Terminal:
             self.status = "exited"
         return self.status is not None
 
+    def poll(self) -> str | None:
+        """None while the command runs (as ``Popen.poll``)."""
+        return None if not self.exited() else self.status
+
     def tail(self) -> str:
-        return self.output[-4000:].decode(errors="replace")
-
-
-def wait_until_answering(url: str, terminal: Terminal, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert not terminal.exited(), f"make run ended early:\n{terminal.tail()}"
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"make run did not answer in {timeout_s} s:\n{terminal.tail()}")
+        return self.log.read_bytes()[-4000:].decode(errors="replace")
 
 
 def wait_for_exit(marker: bytes, limit_s: float, poll_s: float = 0.2) -> tuple[float, dict]:
@@ -110,16 +102,16 @@ def kinds(processes: dict[int, str]) -> set[str]:
 
 
 def test_ctrl_c_on_make_run_stops_serve_ray_haproxy_and_every_triton(
-    built_repository, built_embedding_repository
+    built_repository, built_embedding_repository, tmp_path
 ):
     ray_tmp = tempfile.mkdtemp(prefix="mkrun", dir="/tmp")  # short: Ray's socket paths
     marker = f"RAY_TMPDIR={ray_tmp}".encode()
     port = free_port()
     env = os.environ | {"RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0"}
     argv = ["make", "run", "NO_VENV=1", f"PYTHON={sys.executable}", f"PORT={port}"]
-    terminal = Terminal(argv, env, ROOT)
+    terminal = Terminal(argv, env, ROOT, tmp_path / "make-run.log")
     try:
-        wait_until_answering(f"http://127.0.0.1:{port}", terminal)
+        wait_ready(f"http://127.0.0.1:{port}", terminal, terminal.log, timeout_s=240)
         running = processes_with(marker)
         assert {"serve run", "raylet", "gcs_server", "haproxy"} <= kinds(running), running
         # One Triton per replica: the LLM's and the embeddings model's.
