@@ -145,7 +145,7 @@ class EmbeddingRequest(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """The seed's /generate body."""
+    """The body of ``POST /generate``: a prompt and an optional token budget."""
 
     model_config = ConfigDict(extra="forbid")
     prompt: str
