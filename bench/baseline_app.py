@@ -2,7 +2,7 @@
 
 One deployment, no Triton, no batching: a ``transformers`` text-generation pipeline
 called once per request, one request at a time (``max_ongoing_requests: 1``; Serve
-queues the rest), as the project's seed served ``/generate``. It answers
+queues the rest), the way a first ``/generate`` endpoint is usually written. It answers
 ``POST .../v1/completions`` with ``stream: true`` in OpenAI's shape, one
 server-sent event per generated token that adds text (a token streamer, so its time
 to first token is measured like the stack's), and usage in the last event. ``GET .../``

@@ -145,7 +145,7 @@ def load_model(checkpoint: Path):
 
 
 def one_at_a_time_generate(checkpoint: Path, prompts: list[str], output_len: int) -> Level:
-    """transformers' generate(), one request after another: the seed's serving loop."""
+    """transformers' generate(), one request after another: the loop a plain server runs."""
     import torch
 
     model, tokenizer = load_model(checkpoint)
@@ -249,7 +249,8 @@ def report(baseline: Level, levels: list[Level], extra: list[Level]) -> Table:
 
 
 def check_targets(baseline: Level, levels: list[Level]) -> list[str]:
-    """The issue's targets at concurrency 16, as pass/fail lines."""
+    """The engine's targets at concurrency 16 (5x one-at-a-time tokens/s, a TTFT bound),
+    as pass/fail lines."""
     by_c = {level.concurrency: level for level in levels}
     if 16 not in by_c or 1 not in by_c:
         return []

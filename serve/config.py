@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # variants) Triton model names: no path separators, no spaces.
 ModelId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 # A variant's id is also part of its Triton model names (``ensemble-<id>``).
-VariantId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+VariantId = Annotated[str, StringConstraints(pattern=contract.VARIANT_NAME)]
 
 
 class _Strict(BaseModel):
@@ -163,7 +163,7 @@ class ModelConfig(_Strict):
     def entry_model(self, variant: str | None = None) -> str:
         """The Triton model a request goes to (a variant's own ensemble in a pool)."""
         if variant is not None:
-            return f"ensemble-{variant}"
+            return contract.variant_ensemble(variant)
         return self.triton_model or ("ensemble" if self.task == "generate" else "embeddings")
 
     def entry_models(self) -> list[str]:
@@ -172,7 +172,7 @@ class ModelConfig(_Strict):
 
     def engine_model(self) -> str:
         """The engine step whose batch size sizes the replica (a pool's first variant's)."""
-        return f"tensorrt_llm-{self.variants[0]}" if self.variants else "tensorrt_llm"
+        return contract.variant_engine(self.variants[0]) if self.variants else contract.TENSORRT_LLM
 
     def startup_models(self) -> tuple[str, ...]:
         """What Triton loads at start: everything, or for a pool of variants only the

@@ -1,9 +1,13 @@
 """``python -m serve.launch CONFIG``: ``serve run`` in the Serve mode this project ships.
 
+``--host``/``--port`` put Serve's HTTP proxy elsewhere than the config's
+``http_options`` (``serve run`` has no such options for a config file, so a copy of
+the config with them changed is what runs).
+
 Ray Serve's high-throughput mode (Ray >= 2.55) is the default: HAProxy in front of the
 ingress replicas, which serve HTTP themselves, gRPC between replicas, and user code on
 each replica's main loop. On ``make bench-capacity`` it halves the serving path's CPU
-per streamed token against Serve's defaults (README "Performance"). It is set through
+per streamed token against Serve's defaults (docs/benchmarks.md). It is set through
 environment variables that every Ray process of the instance must see, so they go
 into the environment of ``serve run`` (locally) or of ``ray start`` (a cluster: the
 images, compose and the RayService set the same ones).
@@ -15,6 +19,7 @@ streaming between replicas).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -22,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import yaml
 
 SERVE_MODES = ("throughput", "default")
 
@@ -34,6 +41,13 @@ THROUGHPUT_ENV = {
     # cheap at one access line per request.
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
 }
+
+# `serve run` here is one machine's stack, stopped as a whole by Ctrl-C. Behind HAProxy
+# a stopping ingress replica stays reachable for 30 s by default, so that external load
+# balancers deregister it first; here HAProxy is local and retries a refused connection
+# on another replica, so the replica closes its listener at once and Ctrl-C takes
+# seconds, not half a minute. A value in the caller's environment wins.
+LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 
 
 def serve_env(mode: str, haproxy_dir: Path | None = None, base: dict | None = None) -> dict:
@@ -69,14 +83,44 @@ def private_haproxy_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="hp", dir="/tmp"))
 
 
+def with_http_options(config: dict, host: str | None, port: int | None) -> dict:
+    """``config`` with Serve's proxy on ``host``:``port`` where they are given."""
+    given = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    return config | {"http_options": config.get("http_options", {}) | given}
+
+
+def greeting(config: dict) -> str:
+    """Where the app answers and two requests to try, printed before Serve starts."""
+    http = config.get("http_options", {})
+    host = http.get("host", "127.0.0.1")
+    url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{http.get('port', 8000)}"
+    models = [m for app in config["applications"] for m in app.get("args", {}).get("models", [])]
+    llm = next((m["id"] for m in models if m.get("task", "generate") == "generate"), "MODEL")
+    chat = {"model": llm, "messages": [{"role": "user", "content": "Where is the cat?"}]}
+    return (
+        f'Serving on {url} once "Deployed app" shows (Ctrl-C stops everything). Try:\n'
+        f'  curl "{url}/generate?query=The%20cat"\n'
+        f"  curl {url}/v1/chat/completions -H 'content-type: application/json' \\\n"
+        f"    -d '{json.dumps(chat)}'"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m serve.launch", description=__doc__)
     p.add_argument("config", type=Path, help="a Serve config file (serve/config.yaml)")
     p.add_argument("--mode", choices=SERVE_MODES, default="throughput")
+    p.add_argument("--host", help="the address Serve's proxy listens on (0.0.0.0: every one)")
+    p.add_argument("--port", type=int, help="the port Serve's proxy listens on")
     args = p.parse_args(argv)
-    haproxy = private_haproxy_dir() if args.mode == "throughput" else None
+    config = with_http_options(yaml.safe_load(args.config.read_text()), args.host, args.port)
+    scratch = private_haproxy_dir()  # HAProxy's files and the config that runs
+    config_path = scratch / "serve.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    print(greeting(config), flush=True)
     serve = shutil.which("serve", path=str(Path(sys.executable).parent)) or "serve"
-    process = subprocess.Popen([serve, "run", str(args.config)], env=serve_env(args.mode, haproxy))
+    process = subprocess.Popen(
+        [serve, "run", str(config_path)], env=LOCAL_ENV | serve_env(args.mode, scratch)
+    )
     # A SIGTERM for this process stops serve run as a Ctrl-C would.
     signal.signal(signal.SIGTERM, lambda *_: process.send_signal(signal.SIGINT))
     try:
@@ -88,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             except KeyboardInterrupt:
                 continue
     finally:
-        if haproxy is not None:
-            shutil.rmtree(haproxy, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -164,6 +164,20 @@ MODELS = {
     POSTPROCESSING: (POSTPROCESSING_INPUTS, POSTPROCESSING_OUTPUTS),
 }
 
+# A pool of fine-tuned variants shares pre/postprocessing; each variant has an engine
+# step and an ensemble of its own, named after it. A variant's name is part of Triton
+# model names and folder names, hence the pattern.
+VARIANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+def variant_ensemble(variant: str) -> str:
+    return f"{ENSEMBLE}-{variant}"
+
+
+def variant_engine(variant: str) -> str:
+    return f"{TENSORRT_LLM}-{variant}"
+
+
 # The embeddings model lives in its own repository (``embedding_repository/``) with its
 # own Triton, so an LLM replica can hold a GPU while an embeddings replica runs on CPU.
 # One request carries a batch of texts ([B, 1]); Triton's dynamic batcher may merge

@@ -19,7 +19,8 @@ from build_engines.targets.base import (
 from tritonllm import contract
 
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+# A checkpoint has a tokenizer when it holds one of these (trtllm copies more files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 # Python-backend steps that read each request's tensors apart, so a dynamic batch may
@@ -56,9 +57,9 @@ def validate_checkpoint(model_dir: Path) -> Path:
         )
     if not any(any(model_dir.glob(p)) for p in _WEIGHT_PATTERNS):
         raise CheckpointError(f"{model_dir} has no weights (*.safetensors or pytorch_model*.bin)")
-    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         raise CheckpointError(
-            f"{model_dir} has no tokenizer ({' or '.join(_TOKENIZER_FILES)}): "
+            f"{model_dir} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): "
             "save the tokenizer next to the weights"
         )
     return model_dir

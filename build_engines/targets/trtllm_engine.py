@@ -26,6 +26,7 @@ from build_engines.repository import ModelRepository
 from build_engines.targets.base import BuildReport, BuildSpec, DynamicBatching, Reporter
 from build_engines.targets.torch_engine import (
     RAGGED,
+    TOKENIZER_FILES,
     model_fingerprint,
     tokenizer_step_values,
     validate_checkpoint,
@@ -42,9 +43,7 @@ from tritonllm import contract
 
 TOKENIZER_DIR = "tokenizer"  # inside tensorrt_llm/1/, next to the engine
 _TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
+    *TOKENIZER_FILES,
     "special_tokens_map.json",
     "added_tokens.json",
     "vocab.json",

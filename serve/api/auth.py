@@ -3,7 +3,7 @@
 Keys come from an environment variable (comma-separated) and/or a file (one per
 line, ``#`` comments), never from the Serve config itself, so they stay out of
 ``serve deploy`` payloads and the dashboard. With no key configured the API is
-open, which is right on loopback and wrong anywhere else (the README says so).
+open, which is right on loopback and wrong anywhere else (docs/operations.md says so).
 Keys are never logged; comparison is constant-time.
 """
 

@@ -1,5 +1,5 @@
-"""The HTTP routes: OpenAI's chat, completions, models and embeddings, /generate (a
-prompt in, its text out), and the readiness check /health.
+"""The HTTP routes: OpenAI's chat, completions, models and embeddings, the plain-text
+/generate (a prompt in, the completion's text out) and the readiness check /health.
 
 Routes validate (schemas), check the configured limits, and hand the work to the
 :class:`serve.api.backend.Backend` the ingress puts in ``app.state.backend``.

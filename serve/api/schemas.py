@@ -286,7 +286,7 @@ class EmbeddingRequest(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """The /generate body: a prompt in, its completion's text out."""
+    """The body of ``POST /generate``: a prompt and an optional token budget."""
 
     model_config = ConfigDict(extra="forbid")
     prompt: Text

