@@ -408,3 +408,38 @@ def test_a_token_id_prompt_answers_as_its_text_does(app_url, client, checkpoint_
     assert both.choices[0].text == as_text.choices[0].text[: len(both.choices[0].text)]
     response = httpx.post(f"{app_url}/v1/completions", json={"model": MODEL, "prompt": [1, 10**6]})
     assert response.status_code == 400 and "vocabulary" in response.json()["error"]["message"]
+
+
+# NVIDIA AIPerf, as users load-test an OpenAI endpoint: its own virtualenv (it pins
+# versions of pandas, rich and prometheus-client of its own), made once per machine.
+AIPERF = "aiperf==0.13.0"
+AIPERF_VENV = ROOT / "build" / "aiperf-venv"
+
+
+@pytest.fixture(scope="module")
+def aiperf() -> Path:
+    binary = AIPERF_VENV / "bin" / "aiperf"
+    if not binary.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(AIPERF_VENV)], check=True)
+        pip = [str(AIPERF_VENV / "bin" / "python"), "-m", "pip", "install", "--quiet", AIPERF]
+        subprocess.run(pip, check=True, timeout=900)
+    return binary
+
+
+def test_an_aiperf_run_completes_without_errors(app_url, aiperf, checkpoint_dir, tmp_path):
+    command = [
+        str(aiperf), "profile", "--model", MODEL, "--url", app_url,
+        "--endpoint-type", "chat", "--streaming", "--tokenizer", str(checkpoint_dir),
+        "--request-count", "16", "--concurrency", "4", "--isl", "32", "--osl", "16",
+        "--extra-inputs", "ignore_eos:true", "--artifact-dir", str(tmp_path),
+        "--ui-type", "none",
+    ]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "profile_export_aiperf.json").read_text())
+    assert report["is_complete"] and not report["error_summary"]
+    assert report["request_count"]["avg"] == 16 and report["time_to_first_token"]["count"] == 16
+    # The server's own usage: 16 tokens each (ignore_eos), prompts counted.
+    completion = report["usage_completion_tokens"]
+    assert completion["min"] == completion["max"] == 16
+    assert report["usage_prompt_tokens"]["min"] > 0
