@@ -246,6 +246,7 @@ class Engine:
         self._drop_cancelled()
         self._compact()
         admitted = self._admit()
+        prompt_tokens = sum(len(s.request.input_ids) for s in admitted)
         hits = sum(s.cached for s in admitted)  # before the prefill: the cached prefixes
         for group in _prefill_groups(admitted):
             self._guarded(group, self._prefill, group)
@@ -258,12 +259,10 @@ class Engine:
             stats = StepStats(
                 running=len(self._running),
                 queued=len(self._pending),
-                prefill_tokens=sum(len(s.request.input_ids) for s in admitted) - hits,
+                prefill_tokens=prompt_tokens - hits,
                 generated_tokens=len(admitted) + decoding,
                 seconds=time.perf_counter() - start,
-                prefix_queried_tokens=sum(len(s.request.input_ids) for s in admitted)
-                if self._prefix is not None
-                else 0,
+                prefix_queried_tokens=prompt_tokens if self._prefix is not None else 0,
                 prefix_hit_tokens=hits,
             )
             try:
@@ -367,9 +366,8 @@ class Engine:
         for seq in self._running:
             if seq.finish_reason is not None:
                 self._forget(seq)
-                if (
-                    self._prefix is not None and seq.finish_reason != "error"
-                ):  # before its row is reused
+                # Saved before its row is reused; an error may have left it half written.
+                if self._prefix is not None and seq.finish_reason != "error":
                     self._prefix.save(self._cache, seq.slot, seq.history[: seq.cached])
         holes = sorted(s.slot for s in self._running if s.finish_reason and s.slot < len(keep))
         movers = [s for s in keep if s.slot >= len(keep)]
