@@ -143,10 +143,12 @@ def test_turns_sharing_a_prefix_hit_the_cache_and_equal_generate(engines, tokeni
 
 
 def test_a_conversation_reuses_its_own_answer(engines, tokenizer):
-    """The next turn's prompt holds the last answer: finished sequences feed the cache."""
+    """The next turn's prompt holds the last answer: finished sequences feed the cache
+    (here from slot rows that grew inside a forward's inference mode)."""
     observer = RecordingObserver()
     on, off = engines(prefix_cache_mb=4, observer=observer), engines()
-    system = tokenizer.encode(SYSTEM)
+    system = tokenizer.encode(SYSTEM * 8)  # past the slot rows' first 256 columns: they grow
+    assert 256 < len(system) < 400
     (answer,) = run(on, [system], max_tokens=24)
     turn = system + answer + tokenizer.encode("Why", add_special_tokens=False)
     observer.steps.clear()

@@ -82,6 +82,7 @@ class PrefixCache:
         self._touch(chain)
         return chain
 
+    @torch.inference_mode()  # the slot rows may be inference tensors (grown in a forward)
     def load(self, cache: SlotKVCache, slot: int, chain: list[_Block]) -> int:
         """Copy ``chain`` (from :meth:`match`, this step) into columns ``[0, n)`` of
         ``slot``; returns n, the tokens now cached there."""
@@ -94,6 +95,7 @@ class PrefixCache:
             values.copy_(self._values[layer][rows].transpose(0, 1).flatten(1, 2))
         return length
 
+    @torch.inference_mode()
     def save(self, cache: SlotKVCache, slot: int, tokens: list[int]) -> None:
         """Add the full blocks of ``tokens``, whose keys and values are columns
         ``[0, len(tokens))`` of ``slot``; blocks already cached are only marked used."""
