@@ -4,6 +4,7 @@ from Serve's status. The real stack's /metrics: tests/integration/test_productio
 from __future__ import annotations
 
 import asyncio
+import re
 from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -12,6 +13,8 @@ from ray.serve.schema import ApplicationStatusOverview, DeploymentStatusOverview
 from serve.deployments.ingress import not_running
 from serve.deployments.metrics_collector import MetricsCollector, merge
 from serve.metrics import MetricsPublisher, RequestMetrics
+from tests.conftest import ROOT
+from tests.grafana import metric_names, queried_metrics
 
 # What a Triton 2.51 sidecar's /metrics holds (abridged): counters without "_total",
 # the engine's custom metrics beside them, and a histogram.
@@ -185,3 +188,21 @@ def test_readiness_wants_a_running_replica_in_serves_own_status():
     other = SimpleNamespace(app_name="app", deployment_name="T-other")
     assert not_running(status(RUNNING=1), other) == "no deployment"
     assert not_running(ServeStatus(), handle) == "no deployment"
+
+
+def test_every_metric_the_dashboard_queries_is_documented():
+    documented = (ROOT / "docs" / "metrics.md").read_text()
+    queried = queried_metrics()
+    assert "tritonllm_time_to_first_token_seconds_bucket" in queried  # the parser reads names
+    assert "nv_inference_queue_duration_us" in queried
+    for name in queried:
+        family = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert f"`{family}`" in documented or f"`{name}`" in documented, name
+
+
+def test_the_dashboard_parser_reads_series_names_only():
+    expr = (
+        'histogram_quantile(0.9, sum by (le, model) (rate(a_bucket{model=~"$model"}'
+        "[$__rate_interval]))) / on (model) group_left b_total offset 5m and c"
+    )
+    assert metric_names(expr) == {"a_bucket", "b_total", "c"}
