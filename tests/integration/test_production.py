@@ -233,6 +233,39 @@ def test_past_the_queue_bound_clients_get_503_with_retry_after(cluster, built_re
     assert statuses.count(503) > 0 and statuses.count(200) >= 2, statuses
     assert complete(cluster.url).status_code == 200
 
+    # /health reads Serve's replica states: it answers at once while both replica slots
+    # hold long generations and a third waits in the queue (a call to the replica, as
+    # /health made before, waited behind them).
+    streaming = [threading.Event() for _ in range(3)]
+    release = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        held = [pool.submit(hold_stream, cluster.url, s, release) for s in streaming[:2]]
+        wait_for(lambda: all(s.is_set() for s in streaming[:2]), 60, "two streams running")
+        # Alone, so that Serve's router counts it against max_queued_requests alone.
+        held.append(pool.submit(hold_stream, cluster.url, streaming[2], release))
+        time.sleep(1)
+        start = time.monotonic()
+        health = httpx.get(f"{cluster.url}/health", timeout=30)
+        elapsed = time.monotonic() - start
+        queued = not streaming[2].is_set() and not held[2].done()  # still waiting
+        release.set()
+        assert all(f.result(timeout=120) for f in held)
+    assert health.status_code == 200 and elapsed < 3, (health.text, elapsed)
+    assert queued, "the third stream started before /health answered: nothing was proven"
+
+
+def hold_stream(url: str, streaming: threading.Event, release: threading.Event) -> bool:
+    """A long streamed completion: ``streaming`` is set at its first text, and it is
+    held open until ``release``, then abandoned (which frees its engine slot)."""
+    body = {"model": MODEL, "prompt": "The cat", "stream": True, "max_tokens": 480}
+    body["min_tokens"] = 480
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        lines = response.iter_lines()  # held: a dropped iterator closes the connection
+        first = next((line for line in lines if line.startswith("data: ")), "")
+        streaming.set()
+        release.wait(120)
+    return response.status_code == 200 and "choices" in first
+
 
 def test_load_scales_out_to_a_second_replica_and_back(cluster, built_repository):
     scaling = {
