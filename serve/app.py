@@ -18,6 +18,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from serve.config import AppConfig, ModelConfig
 from serve.deployments.ingress import OpenAIIngress
+from serve.deployments.metrics_collector import MetricsCollector
 from serve.deployments.triton_replica import TritonReplica
 from serve.triton import repository
 from tritonllm import contract
@@ -27,12 +28,23 @@ log = logging.getLogger("ray.serve")
 
 def build_app(args: dict | None = None):
     config = servable(AppConfig.model_validate(args or {}))
+    collector = serve.deployment(MetricsCollector).options(**COLLECTOR_OPTIONS).bind()
     replicas = {}
     for model in config.models:
         deployment = serve.deployment(TritonReplica).options(**replica_options(model))
-        replicas[model.id] = deployment.bind(model)
+        replicas[model.id] = deployment.bind(model, metrics_collector=collector)
     ingress = serve.deployment(OpenAIIngress).options(**ingress_options(config))
-    return ingress.bind(replicas, config)
+    return ingress.bind(replicas, config, collector)
+
+
+# One replica holds the latest metrics of every process (serve/metrics.py says why);
+# pushes and scrapes are short calls, so many may run at once.
+COLLECTOR_OPTIONS = {
+    "name": "MetricsCollector",
+    "num_replicas": 1,
+    "max_ongoing_requests": 1000,
+    "ray_actor_options": {"num_cpus": 0},
+}
 
 
 def servable(config: AppConfig) -> AppConfig:

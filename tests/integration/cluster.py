@@ -128,10 +128,6 @@ class RayCluster:
             time.sleep(1)
         raise AssertionError(f"{app} not running after {timeout_s} s: {self.applications()}")
 
-    def metrics(self) -> str:
-        """This node's Prometheus text (Ray's metrics export port)."""
-        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
-
     def logs_dir(self) -> Path:
         return self.temp_dir / "session_latest" / "logs"
 
