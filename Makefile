@@ -52,7 +52,7 @@ BENCH_ARGS  ?=
 SMOKE_ARGS  ?=
 
 .PHONY: venv venv-dev engines run triton triton-embeddings test test-unit lint bench \
-	bench-capacity bench-engine bench-embeddings gpu-smoke clean-engines clean
+	bench-capacity bench-engine bench-embeddings bench-prefix gpu-smoke clean-engines clean
 
 ifeq ($(NO_VENV),1)
 venv venv-dev:
@@ -147,3 +147,9 @@ clean-engines:
 
 clean: clean-engines
 	rm -rf $(VENV)
+
+# Prefix caching and prefix-aware routing on the bench model, side by side: cache off,
+# cache on + Serve's default routing, cache on + routing: prefix_aware (two replicas
+# each), then a workload with no shared prefix (docs/prefix-caching.md).
+bench-prefix: venv-dev
+	$(PY) -m bench.prefix $(BENCH_ARGS)

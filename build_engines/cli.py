@@ -106,6 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("--num-threads", int, "torch engine threads (0: all cores prefill, all but one decode)"),
         ("--device", str, "torch engine: auto | cpu | cuda[:N]"),
         ("--dtype", str, "auto | float32 | float16 | bfloat16"),
+        ("--prefix-cache-mb", float, "torch engine: prefix cache budget in MiB (0: off)"),
+        ("--prefix-cache-block-size", int, "torch engine: tokens per prefix cache block"),
         ("--null-step-ms", float, "null target (a benchmark instrument): ms per engine step"),
     ):
         field = flag[2:].replace("-", "_")

@@ -65,7 +65,7 @@ class TrtllmSettings:
     max_queue_delay_microseconds: int = 100
     kv_cache_free_gpu_mem_fraction: float = 0.85
     batch_scheduler_policy: str = "guaranteed_no_evict"
-    enable_kv_cache_reuse: bool = False
+    enable_kv_cache_reuse: bool = True
     enable_chunked_context: bool = False
     exclude_input_in_output: bool = False
 
@@ -135,6 +135,11 @@ class TrtllmSettings:
             yield "kv_cache_free_gpu_mem_fraction must be in (0, 1]"
         if self.batch_scheduler_policy not in SCHEDULER_POLICIES:
             yield f"batch_scheduler_policy must be one of {', '.join(SCHEDULER_POLICIES)}"
+        if self.paged_context_fmha and not self.context_fmha:
+            yield (
+                "enable_kv_cache_reuse and enable_chunked_context run on the paged context "
+                "FMHA: set context_fmha: true, or turn both off"
+            )
         if self.max_queue_size < 0 or self.max_queue_delay_microseconds < 0:
             yield "max_queue_size and max_queue_delay_microseconds must be >= 0"
 
@@ -144,11 +149,21 @@ class TrtllmSettings:
         return self.triton_max_batch_size or self.max_batch_size
 
     @property
+    def paged_context_fmha(self) -> bool:
+        """``--use_paged_context_fmha``: KV cache block reuse and chunked context both
+        need it (TensorRT-LLM's kv-cache-reuse and chunked-context docs): prefill then
+        reads cached or earlier-chunk keys and values from the paged cache."""
+        return self.enable_kv_cache_reuse or self.enable_chunked_context
+
+    @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def build_settings(self) -> dict:
-        return {name: getattr(self, name) for name in BUILD_FIELDS}
+        return {
+            **{name: getattr(self, name) for name in BUILD_FIELDS},
+            "paged_context_fmha": self.paged_context_fmha,
+        }
 
 
 def _is_type(value, type_name: str) -> bool:
@@ -214,7 +229,7 @@ def build_command(settings: TrtllmSettings, checkpoint_dir: Path, engine_dir: Pa
     ]
     if settings.max_seq_len:  # else trtllm-build takes the model's context length
         command += ["--max_seq_len", str(settings.max_seq_len)]
-    if settings.enable_chunked_context:  # chunked context runs on the paged context FMHA
+    if settings.paged_context_fmha:
         command += ["--use_paged_context_fmha", "enable"]
     return command
 
@@ -253,9 +268,13 @@ def engine_mismatch(engine_dir: Path, settings: TrtllmSettings, version: str) ->
 
 def _plugin_and_mapping_mismatch(build: dict, pretrained: dict, settings: TrtllmSettings):
     plugins = build.get("plugin_config", {})
-    for key in ("remove_input_padding", "context_fmha"):
-        if plugins.get(key) != getattr(settings, key):
-            return f"engine {key} is {plugins.get(key)}, the config says {getattr(settings, key)}"
+    for key, want in (
+        ("remove_input_padding", settings.remove_input_padding),
+        ("context_fmha", settings.context_fmha),
+        ("use_paged_context_fmha", settings.paged_context_fmha),
+    ):
+        if bool(plugins.get(key)) != want:
+            return f"engine {key} is {plugins.get(key)}, the config says {want}"
     if "paged" not in str(build.get("kv_cache_type", "")).lower():
         return f"engine kv_cache_type is {build.get('kv_cache_type')}, the config says paged"
     mapping = pretrained.get("mapping", {})

@@ -14,10 +14,11 @@ import logging
 from typing import Any
 
 from ray import serve
-from ray.serve.config import AutoscalingConfig
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from serve.config import AppConfig, ModelConfig
 from serve.deployments.ingress import OpenAIIngress
+from serve.deployments.metrics_collector import MetricsCollector
 from serve.deployments.triton_replica import TritonReplica
 from serve.triton import repository
 from tritonllm import contract
@@ -27,12 +28,23 @@ log = logging.getLogger("ray.serve")
 
 def build_app(args: dict | None = None):
     config = servable(AppConfig.model_validate(args or {}))
+    collector = serve.deployment(MetricsCollector).options(**COLLECTOR_OPTIONS).bind()
     replicas = {}
     for model in config.models:
         deployment = serve.deployment(TritonReplica).options(**replica_options(model))
-        replicas[model.id] = deployment.bind(model)
+        replicas[model.id] = deployment.bind(model, metrics_collector=collector)
     ingress = serve.deployment(OpenAIIngress).options(**ingress_options(config))
-    return ingress.bind(replicas, config)
+    return ingress.bind(replicas, config, collector)
+
+
+# One replica holds the latest metrics of every process (serve/metrics.py says why);
+# pushes and scrapes are short calls, so many may run at once.
+COLLECTOR_OPTIONS = {
+    "name": "MetricsCollector",
+    "num_replicas": 1,
+    "max_ongoing_requests": 1000,
+    "ray_actor_options": {"num_cpus": 0},
+}
 
 
 def servable(config: AppConfig) -> AppConfig:
@@ -66,7 +78,32 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
         options["num_replicas"] = model.deployment.num_replicas
     else:
         options["autoscaling_config"] = autoscaling(model)
+    if model.routing == "prefix_aware":
+        options["request_router_config"] = prefix_aware_router(model)
     return {"name": model.deployment_name(), **options}
+
+
+# Ray's PrefixCacheAffinityRouter (ray.serve.llm.request_router re-exports it), named by
+# its defining module: the public one's package imports ray.llm's cloud-storage helpers,
+# which need pyarrow (ray[llm]), and this class needs only ray[serve]. It reads the
+# ``prompt`` of the call's first argument: GenerateParams has one.
+PREFIX_AWARE_ROUTER = (
+    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router."
+    "PrefixCacheAffinityRouter"
+)
+
+
+def prefix_aware_router(model: ModelConfig) -> RequestRouterConfig:
+    """Prefix affinity while replicas' loads stay within one engine batch of each other
+    (Ray's default threshold is infinite: never balance), else power of two choices.
+    The router's prefix tree is bounded (it keeps no limit unless told)."""
+    return RequestRouterConfig(
+        request_router_class=PREFIX_AWARE_ROUTER,
+        request_router_kwargs={
+            "imbalanced_threshold": _batch_size(model),
+            "do_eviction": True,  # at Ray's 400,000 characters
+        },
+    )
 
 
 # What the engines of one replica may take together: the rest is for activations, CUDA

@@ -146,6 +146,13 @@ class ModelConfig(_Strict):
     max_models_per_replica: int = Field(
         2, ge=1, description="variants one replica keeps loaded (least recently used leaves)"
     )
+    routing: Literal["default", "prefix_aware"] = Field(
+        "default",
+        description="how Serve picks a replica: default (power of two choices on load), "
+        "or prefix_aware (Ray's PrefixCacheAffinityRouter: the replica that served the "
+        "longest prefix of the prompt, while loads stay within one engine batch of each "
+        "other; docs/prefix-caching.md)",
+    )
     optional: bool = Field(
         False,
         description="serve this model only where its repository is built: an unbuilt one "
@@ -158,6 +165,8 @@ class ModelConfig(_Strict):
             raise ValueError("variants are served for task: generate only")
         if len(set(self.variants)) != len(self.variants):
             raise ValueError("variant ids must be unique")
+        if self.routing == "prefix_aware" and self.task != "generate":
+            raise ValueError("routing: prefix_aware routes prompts: task generate only")
         return self
 
     def entry_model(self, variant: str | None = None) -> str:

@@ -1,6 +1,9 @@
 """The engine's own metrics through Triton's custom metrics API (pb_utils passed in).
 
 They appear on Triton's metrics endpoint next to Triton's own ``nv_*`` metrics.
+The prefix cache's counters carry vLLM's names as vLLM's endpoint shows them
+(``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``: prompt tokens
+looked up and found), so dashboards and autoscalers written for vLLM read them as is.
 Each update is a message from the Python stub to the server, so the observer
 aggregates steps and flushes at most every ``flush_interval_s``, keeping that
 traffic out of the decode loop.
@@ -29,7 +32,9 @@ class EngineMetrics:
             "tritonllm_engine_queued_requests", "Requests waiting for a slot", family.GAUGE
         )
         self._prompt_tokens = metric(
-            "tritonllm_engine_prompt_tokens_total", "Prompt tokens prefilled", family.COUNTER
+            "tritonllm_engine_prompt_tokens_total",
+            "Prompt tokens prefilled (computed: cached prefixes are not counted)",
+            family.COUNTER,
         )
         self._generated_tokens = metric(
             "tritonllm_engine_generated_tokens_total",
@@ -41,6 +46,16 @@ class EngineMetrics:
             "Mean duration of an engine step (prefills plus one batched decode) "
             "over the last flush interval",
             family.GAUGE,
+        )
+        self._prefix_queries = metric(
+            "vllm:prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache",
+            family.COUNTER,
+        )
+        self._prefix_hits = metric(
+            "vllm:prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache (not prefilled)",
+            family.COUNTER,
         )
         self._flush_interval_s = flush_interval_s
         self._last_flush = 0.0
@@ -59,4 +74,6 @@ class EngineMetrics:
         self._queued.set(latest.queued)
         self._prompt_tokens.increment(sum(s.prefill_tokens for s in steps))
         self._generated_tokens.increment(sum(s.generated_tokens for s in steps))
+        self._prefix_queries.increment(sum(s.prefix_queried_tokens for s in steps))
+        self._prefix_hits.increment(sum(s.prefix_hit_tokens for s in steps))
         self._step_seconds.set(sum(s.seconds for s in steps) / len(steps))

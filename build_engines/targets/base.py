@@ -35,6 +35,10 @@ class EngineOptions:
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
     dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
     num_threads: int = 0  # engine torch threads; 0: all cores for prefill, all but one for decode
+    # torch engine: MiB of keys and values kept for prompt prefixes (0: off), in blocks
+    # of this many tokens (docs/prefix-caching.md)
+    prefix_cache_mb: float = 256.0
+    prefix_cache_block_size: int = 16
     null_step_ms: float = 5.0  # null target (a benchmark instrument): the time of one step
     preprocessing_instance_count: int = 1
     dynamic_batching: DynamicBatching = field(default_factory=DynamicBatching)

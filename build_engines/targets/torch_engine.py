@@ -175,6 +175,8 @@ def config_values(o: EngineOptions, checkpoint_ref: str, engine: str = "torch") 
             "device": o.device,
             "dtype": o.dtype,
             "num_threads": o.num_threads,
+            "prefix_cache_mb": o.prefix_cache_mb,
+            "prefix_cache_block_size": o.prefix_cache_block_size,
             "engine": engine,
             "null_step_ms": o.null_step_ms,
             "null_answer_tokens": 0,

@@ -56,3 +56,7 @@ class Backend(Protocol):
     async def not_ready(self) -> dict[str, str]:
         """The configured models that cannot answer now, each with the reason; empty
         when every model has a replica whose Triton reports it ready (``GET /health``)."""
+
+    async def metrics_text(self) -> str:
+        """The application's Prometheus text, every process's figures (``GET /metrics``).
+        Raises :class:`serve.api.errors.APIError`."""

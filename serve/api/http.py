@@ -14,7 +14,8 @@ from fastapi import FastAPI
 from serve.api.backend import Backend
 from serve.api.errors import install_handlers
 from serve.api.middleware import BodySizeLimit, RequestRecorder
-from serve.api.routes import health_router, router
+from serve.api.operations import operations_router
+from serve.api.routes import router
 
 
 def create_app(
@@ -34,5 +35,5 @@ def create_app(
     app.add_middleware(RequestRecorder)  # outermost: it sees the 413s too
     install_handlers(app)
     app.include_router(router)
-    app.include_router(health_router)
+    app.include_router(operations_router)
     return app

@@ -1,5 +1,6 @@
-"""The HTTP routes: OpenAI's chat, completions, models and embeddings, the plain-text
-/generate (a prompt in, the completion's text out) and the readiness check /health.
+"""The HTTP routes: OpenAI's chat, completions, models and embeddings, and the plain-text
+/generate (a prompt in, the completion's text out); the operators' /health and /metrics
+are in :mod:`serve.api.operations`.
 
 Routes validate (schemas), check the configured limits, and hand the work to the
 :class:`serve.api.backend.Backend` the ingress puts in ``app.state.backend``.
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from serve.api.auth import require_api_key
 from serve.api.backend import Backend
-from serve.api.errors import APIError, InternalError, NotFound, NotReady
+from serve.api.errors import APIError, InternalError, NotFound
 from serve.api.responses import (
     chat_choice,
     chat_logprobs,
@@ -46,9 +47,6 @@ from serve.generation import GenerateParams, GenerationChunk
 log = logging.getLogger("ray.serve")
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
-# Probes (Docker's healthcheck, Kubernetes' readinessProbe) carry no API key: /health
-# answers without one, and says no more than which configured model is not ready.
-health_router = APIRouter()
 
 
 async def _backend(request: Request) -> Backend:
@@ -101,18 +99,6 @@ def _check_prompt_chars(backend: Backend, chars: int, param: str) -> None:
 
 def _card(model_id: str) -> dict:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": "triton"}
-
-
-@health_router.get("/health")
-async def health(backend: BackendDep):
-    """200 once every configured model has a replica whose Triton reports it ready, else
-    503 (an OpenAI error object) naming the models that are not. Serve's own
-    ``/-/healthz`` says only that the proxy is up."""
-    waiting = await backend.not_ready()
-    if waiting:
-        reasons = "; ".join(f"{model}: {reason}" for model, reason in sorted(waiting.items()))
-        raise NotReady(f"not ready: {reasons}", param="model", code="model_not_ready")
-    return {"status": "ready", "models": [m.id for m in backend.config.models]}
 
 
 @router.get("/v1/models")

@@ -33,16 +33,15 @@ from serve.api.http import create_app
 from serve.api.sampling import SamplingDefaults
 from serve.config import AppConfig, ModelConfig
 from serve.generation import GenerateParams, GenerationChunk, coalesce
-from serve.metrics import RequestMetrics
+from serve.metrics import MetricsPublisher, RequestMetrics, replica_labels
 from serve.triton import repository
 from serve.triton.host import GenerationError
 
 log = logging.getLogger("ray.serve")
 
-# How long /health waits for a model's replica to answer ``ready()``. A call queues
-# behind a replica's max_ongoing_requests, so a saturated model may miss it: the
-# probes' failure thresholds (docker/) allow for a few misses in a row.
-READY_TIMEOUT_S = 5.0
+# How long /health and /metrics wait for Serve's controller or the metrics collector
+# (neither queues behind generation traffic; a miss means it is down or restarting).
+CONTROL_TIMEOUT_S = 5.0
 
 # How the engines word a prompt that does not fit the model's context (ours:
 # tritonllm.engine.request; TensorRT-LLM's: "... exceeds maximum input length").
@@ -97,12 +96,21 @@ def as_api_error(error: BaseException) -> APIError | None:
 class OpenAIIngress:
     """Implements :class:`serve.api.backend.Backend` for the routes."""
 
-    def __init__(self, replicas: dict, config: AppConfig):
+    async def __init__(self, replicas: dict, config: AppConfig, metrics_collector=None):
         from tritonllm.tokenization import load_tokenizer
 
         self.replicas = replicas  # model id -> DeploymentHandle of its Triton replicas
         self.config = config
         self.metrics = RequestMetrics()
+        self.metrics_collector = metrics_collector  # DeploymentHandle (None: no /metrics)
+        self._publisher = None
+        if metrics_collector is not None:
+
+            async def text() -> str:
+                return self.metrics.text()
+
+            self._publisher = MetricsPublisher(metrics_collector, text, replica_labels())
+            self._publisher.start()
         checkpoints = {
             m.id: repository.tokenizer_dir(m.triton.repository_path())
             for m in config.models
@@ -178,18 +186,21 @@ class OpenAIIngress:
         handle = self.replicas[model.id].options(
             stream=True, multiplexed_model_id=params.variant or ""
         )
-        label = params.variant or model.id
+        metrics = self.metrics.model(params.variant or model.id)
         responses = chunk = None
-        start = last = time.monotonic()
+        last = time.monotonic()
         first, finished = True, False
-        self.metrics.generation_started(label)
+        metrics.started()
         try:
             responses = handle.generate.remote(params)
             # Chunks that Ray delivers while this replica is busy become one SSE event.
             async for chunk in coalesce(responses):
-                now = time.monotonic()
                 if chunk.text:
-                    self.metrics.text_arrived(label, now - (start if first else last), first)
+                    now = time.monotonic()
+                    if first:
+                        metrics.first_text(now - last)
+                    else:
+                        metrics.next_text(now - last)
                     first, last = False, now
                 yield chunk
             finished = True
@@ -197,8 +208,8 @@ class OpenAIIngress:
             raise _translate(error) from None
         finally:
             if chunk is not None:  # the prompt and what was generated, also if cancelled
-                self.metrics.tokens(label, chunk.num_input_tokens, chunk.num_output_tokens)
-            self.metrics.generation_ended(label)
+                metrics.tokens(chunk.num_input_tokens, chunk.num_output_tokens)
+            metrics.ended(had_text=not first)
             if responses is not None and not finished:
                 _cancel(responses)
 
@@ -211,23 +222,46 @@ class OpenAIIngress:
             raise _translate(error) from None
         return Embeddings(np.asarray(vectors, dtype=np.float32), int(num_tokens))
 
-    # -- readiness (GET /health) ---------------------------------------------------------
+    # -- readiness (GET /health) and metrics (GET /metrics) ------------------------------
 
     async def not_ready(self) -> dict[str, str]:
-        reasons = await asyncio.gather(*(self._not_ready(m) for m in self.config.models))
-        return {m.id: r for m, r in zip(self.config.models, reasons, strict=True) if r}
-
-    async def _not_ready(self, model: ModelConfig) -> str | None:
-        """Why no replica of ``model`` can answer now (None: one whose Triton is ready did)."""
-        response = self.replicas[model.id].ready.remote()
+        """From Serve's own replica states (the controller's view), not by calling the
+        replicas: a call would queue behind a saturated replica's generations. A replica
+        is RUNNING once its ``__init__`` returned, which is after its Triton reported
+        the model ready, and stops being so when ``check_health`` (which asks Triton)
+        has failed Serve's threshold of times in a row (3, every
+        ``health_check_period_s``): then Serve replaces it."""
         try:
-            ready = await asyncio.wait_for(response, READY_TIMEOUT_S)
-        except BackPressureError:
-            return None  # every replica is busy and the queue is full: serving, not down
-        except asyncio.TimeoutError:
-            _cancel(response)
-            return f"no replica answered within {READY_TIMEOUT_S:.0f} s (starting, or all busy)"
-        except (RayActorError, ActorUnavailableError, DeploymentUnavailableError) as error:
-            log.info("readiness of %s: %s", model.id, error)
-            return "no running replica"
-        return None if ready else "Triton does not report the model ready"
+            # serve.status() blocks on the controller: off the event loop.
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), CONTROL_TIMEOUT_S)
+        except Exception as error:
+            log.warning("readiness: Serve's status is not available: %s", error)
+            return {m.id: "Serve's controller did not answer" for m in self.config.models}
+        reasons = {m.id: not_running(status, self.replicas[m.id]) for m in self.config.models}
+        return {model: reason for model, reason in reasons.items() if reason}
+
+    async def metrics_text(self) -> str:
+        try:
+            response = self.metrics_collector.render.remote()
+            return await asyncio.wait_for(response, CONTROL_TIMEOUT_S)
+        except Exception as error:
+            log.warning("metrics: the collector did not answer: %s", error)
+            raise Overloaded("the metrics collector is not available; retry") from None
+
+    def __del__(self):
+        if self._publisher is not None:
+            self._publisher.stop()
+
+
+def not_running(status, handle) -> str | None:
+    """Why the deployment behind ``handle`` has no RUNNING replica in ``status`` (a
+    ``serve.status()``), or None when it has one."""
+    app = status.applications.get(handle.app_name)
+    deployment = app.deployments.get(handle.deployment_name) if app else None
+    if deployment is None:
+        return "no deployment"
+    states = deployment.replica_states
+    if states.get("RUNNING"):
+        return None
+    replicas = ", ".join(f"{state}: {count}" for state, count in sorted(states.items()))
+    return f"no running replica ({replicas or 'none'})"

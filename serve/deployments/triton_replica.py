@@ -11,7 +11,7 @@ from ray import serve
 
 from serve.config import ModelConfig
 from serve.generation import GenerateParams, GenerationChunk, coalesce
-from serve.metrics import TritonMetricsExporter
+from serve.metrics import MetricsPublisher, replica_labels
 from serve.triton import repository
 from serve.triton.host import GenerationError, TritonHost
 from serve.triton.select import choose_host
@@ -36,13 +36,17 @@ class TritonReplica:
     holding it.
     """
 
-    async def __init__(self, model: ModelConfig, host: TritonHost | None = None):
+    async def __init__(
+        self, model: ModelConfig, host: TritonHost | None = None, metrics_collector=None
+    ):
         self.model = model
         self.host = host or choose_host(model.triton, model.startup_models())
         # Starting Triton blocks for seconds to minutes: off the event loop.
         await asyncio.to_thread(self.host.start)
-        self._metrics = TritonMetricsExporter(self.host.metrics)
-        self._metrics.start()
+        self._metrics = None  # Triton's metrics text, to the app's collector (GET /metrics)
+        if metrics_collector is not None:
+            self._metrics = MetricsPublisher(metrics_collector, self.host.metrics, replica_labels())
+            self._metrics.start()
         if model.task == "embed":  # texts per Triton request (a longer list is split)
             config = repository.read_config(model.triton.repository_path(), model.entry_model())
             self._embed_batch = max(config.max_batch_size, 1)
@@ -94,15 +98,6 @@ class TritonReplica:
         model = "preprocessing" if self.model.variants else self.model.entry_model()
         if not await self.host.is_ready(model):
             raise RuntimeError(f"Triton is not ready: the server exited or {model} is not loaded")
-
-    async def ready(self) -> bool:
-        """Whether this replica's Triton reports its model ready (the ingress's /health)."""
-        try:
-            await self.check_health()
-        except RuntimeError as error:
-            log.info("%s", error)
-            return False
-        return True
 
     def __del__(self):
         # Serve deletes a replica after draining it; Triton must not outlive it.

@@ -128,10 +128,6 @@ class RayCluster:
             time.sleep(1)
         raise AssertionError(f"{app} not running after {timeout_s} s: {self.applications()}")
 
-    def metrics(self) -> str:
-        """This node's Prometheus text (Ray's metrics export port)."""
-        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
-
     def logs_dir(self) -> Path:
         return self.temp_dir / "session_latest" / "logs"
 
@@ -209,12 +205,14 @@ def process_name(pid: int) -> str:
         return ""
 
 
-def triton_http_url(replica: dict) -> str:
-    """The loopback HTTP address of a replica's sidecar Triton (from its command line)."""
+def triton_http_url(replica: dict, port: str = "http") -> str:
+    """The loopback HTTP address of a replica's sidecar Triton (from its command line);
+    ``port="metrics"``: its metrics endpoint's."""
+    flag = f"--{port}-port=".encode()
     for pid in child_pids(replica["pid"]):
         if process_name(pid) == "tritonserver":
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            ports = [a.split(b"=")[1] for a in cmdline if a.startswith(b"--http-port=")]
+            ports = [a.split(b"=")[1] for a in cmdline if a.startswith(flag)]
             return f"http://127.0.0.1:{ports[0].decode()}"
     raise AssertionError(f"replica {replica['replica_id']} has no Triton child")
 

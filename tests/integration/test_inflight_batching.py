@@ -252,3 +252,24 @@ def test_the_engine_counts_its_tokens(tight_triton):
             >= before["tritonllm_engine_generated_tokens_total"] + 7
         )
     )
+
+
+def test_a_repeated_prefix_is_served_from_the_prefix_cache_and_counted(triton):
+    """The default build caches prefixes; Triton's endpoint shows vLLM's two counters."""
+
+    def counters():
+        with urllib.request.urlopen(f"http://127.0.0.1:{triton.metrics_port}/metrics") as r:
+            families = text_string_to_metric_families(r.read().decode())
+            samples = {s.name: s.value for f in families for s in f.samples}
+        return samples["vllm:prefix_cache_queries_total"], samples["vllm:prefix_cache_hits_total"]
+
+    system = "The robot writes a long letter to the old town every morning by the window. " * 3
+    first = generate(triton.grpc_url, system + "Where?", 8, end_id=0, exclude_input_in_output=True)
+    queried, hits = counters()
+    again = generate(triton.grpc_url, system + "Why?", 8, end_id=0, exclude_input_in_output=True)
+    wait_for(lambda: counters()[0] > queried)
+    new_queries, new_hits = (
+        now - before for now, before in zip(counters(), (queried, hits), strict=True)
+    )
+    assert new_hits >= 48 and new_hits < new_queries  # the shared system text, not the rest
+    assert first.text and again.text

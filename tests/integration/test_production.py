@@ -1,8 +1,8 @@
 """Production behaviour on a real cluster: ``ray start --head``, ``serve deploy``, real Triton.
 
 Each test deploys the shipped serve/config.yaml with the fields under test changed,
-drives it over HTTP and reads Serve's own state (its REST API), Ray's Prometheus
-export and the processes themselves.
+drives it over HTTP and reads Serve's own state (its REST API), the app's /metrics
+and the processes themselves.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.fuzzing import server_errors
+from tests.grafana import queried_metrics
 from tests.integration.cluster import child_pids, process_name, serve_config
 from tests.integration.repositories import repository_with_limits
 
@@ -165,29 +166,48 @@ def test_a_deployed_app_serves_with_request_ids_metrics_and_loopback_triton(
     assert any(TRITON in name for name in logged), logged
 
     counted = (
-        "ray_tritonllm_time_to_first_token_seconds_count",
-        "ray_tritonllm_inter_token_latency_seconds_count",
-        "ray_tritonllm_e2e_latency_seconds_count",
-        "ray_tritonllm_generated_tokens_total",
-        "ray_tritonllm_prompt_tokens_total",
-        "ray_triton_tritonllm_engine_generated_tokens_total",
+        "tritonllm_time_to_first_token_seconds_count",
+        "tritonllm_inter_token_latency_seconds_count",
+        "tritonllm_e2e_latency_seconds_count",
+        "tritonllm_generated_tokens_total",
+        "tritonllm_prompt_tokens_total",
+        "tritonllm_engine_generated_tokens_total",
     )
 
-    def exported():  # Ray exports every few seconds, the replica scrapes Triton every 5
-        text = cluster.metrics()
-        ok = metric_values(text, "ray_tritonllm_requests_total", model=MODEL, status="200")
-        bad = metric_values(text, "ray_tritonllm_requests_total", model=MODEL, status="400")
+    def exported():  # every process pushes to the collector every 5 s
+        text = app_metrics(cluster.url)
+        ok = metric_values(text, "tritonllm_requests_total", model=MODEL, status="200")
+        bad = metric_values(text, "tritonllm_requests_total", model=MODEL, status="400")
         counts = [sum(v for _, v in metric_values(text, name)) for name in counted]
         # Triton's own counters too: a scrape taken mid-request has the engine's tokens
         # but not yet the ensemble's success.
-        ensemble = metric_values(
-            text, "ray_triton_nv_inference_request_success_total", model="ensemble"
-        )
-        return ok and bad and all(counts) and any(v for _, v in ensemble) and ensemble
+        ensemble = metric_values(text, "nv_inference_request_success", model="ensemble")
+        return ok and bad and all(counts) and any(v for _, v in ensemble) and (text, ensemble)
 
-    ensemble = wait_for(exported, 60, "request, latency, token and Triton metrics exported")
+    text, ensemble = wait_for(exported, 60, "request, latency, token and Triton metrics")
     (labels, _), *_ = ensemble
     assert labels["replica"] == replica["replica_id"] and labels["deployment"] == TRITON
+    # Types survive the trip: Triton's counters stay counters under Triton's own names.
+    for name, kind in [
+        ("tritonllm_requests_total", "counter"),
+        ("tritonllm_time_to_first_token_seconds", "histogram"),
+        ("tritonllm_requests_running", "gauge"),
+        ("nv_inference_request_success", "counter"),
+        ("nv_inference_queue_duration_us", "counter"),
+        ("tritonllm_engine_running_sequences", "gauge"),
+    ]:
+        assert f"# TYPE {name} {kind}\n" in text, name
+    # Every series the shipped Grafana dashboard queries is there.
+    samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
+    assert queried_metrics() <= samples, sorted(queried_metrics() - samples)
+
+
+def app_metrics(url: str) -> str:
+    """The app's GET /metrics (the API port): every process's figures."""
+    response = httpx.get(f"{url}/metrics", timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return response.text
 
 
 def test_past_the_queue_bound_clients_get_503_with_retry_after(cluster, built_repository):
@@ -213,6 +233,39 @@ def test_past_the_queue_bound_clients_get_503_with_retry_after(cluster, built_re
     assert statuses.count(503) > 0 and statuses.count(200) >= 2, statuses
     assert complete(cluster.url).status_code == 200
 
+    # /health reads Serve's replica states: it answers at once while both replica slots
+    # hold long generations and a third waits in the queue (a call to the replica, as
+    # /health made before, waited behind them).
+    streaming = [threading.Event() for _ in range(3)]
+    release = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        held = [pool.submit(hold_stream, cluster.url, s, release) for s in streaming[:2]]
+        wait_for(lambda: all(s.is_set() for s in streaming[:2]), 60, "two streams running")
+        # Alone, so that Serve's router counts it against max_queued_requests alone.
+        held.append(pool.submit(hold_stream, cluster.url, streaming[2], release))
+        time.sleep(1)
+        start = time.monotonic()
+        health = httpx.get(f"{cluster.url}/health", timeout=30)
+        elapsed = time.monotonic() - start
+        queued = not streaming[2].is_set() and not held[2].done()  # still waiting
+        release.set()
+        assert all(f.result(timeout=120) for f in held)
+    assert health.status_code == 200 and elapsed < 3, (health.text, elapsed)
+    assert queued, "the third stream started before /health answered: nothing was proven"
+
+
+def hold_stream(url: str, streaming: threading.Event, release: threading.Event) -> bool:
+    """A long streamed completion: ``streaming`` is set at its first text, and it is
+    held open until ``release``, then abandoned (which frees its engine slot)."""
+    body = {"model": MODEL, "prompt": "The cat", "stream": True, "max_tokens": 480}
+    body["min_tokens"] = 480
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        lines = response.iter_lines()  # held: a dropped iterator closes the connection
+        first = next((line for line in lines if line.startswith("data: ")), "")
+        streaming.set()
+        release.wait(120)
+    return response.status_code == 200 and "choices" in first
+
 
 def test_load_scales_out_to_a_second_replica_and_back(cluster, built_repository):
     scaling = {
@@ -236,10 +289,9 @@ def test_load_scales_out_to_a_second_replica_and_back(cluster, built_repository)
             "a second replica under load",
         )
 
-        def both_served():
-            text = cluster.metrics()
+        def both_served():  # one scrape shows every replica's counters
             served = metric_values(
-                text, "ray_triton_nv_inference_request_success_total", model="ensemble"
+                app_metrics(cluster.url), "nv_inference_request_success", model="ensemble"
             )
             return {labels["replica"] for labels, value in served if value > 0}
 

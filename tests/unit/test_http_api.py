@@ -93,6 +93,11 @@ class FakeBackend:
     async def not_ready(self):
         return dict(self.waiting)
 
+    async def metrics_text(self):
+        if self.error is not None:
+            raise self.error
+        return "# TYPE up gauge\nup 1\n"
+
 
 def client(backend=None, keys=frozenset(), record=None) -> TestClient:
     app = create_app(backend or FakeBackend(), keys, record)
@@ -130,6 +135,17 @@ def test_health_is_ready_only_when_every_model_is_and_needs_no_api_key():
     backend.waiting = {}
     assert api.get("/health").status_code == 200
     assert api.get("/v1/models").status_code == 401  # the API itself still wants the key
+
+
+def test_metrics_are_prometheus_text_and_want_the_api_key_when_keys_are_set():
+    api = client(FakeBackend(), keys=frozenset({"k"}))
+    assert error_of(api.get("/metrics"), 401)["code"] == "invalid_api_key"
+    response = api.get("/metrics", headers={"Authorization": "Bearer k"})
+    assert response.status_code == 200 and response.text == "# TYPE up gauge\nup 1\n"
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert client().get("/metrics").status_code == 200  # no keys configured: open
+    down = client(FakeBackend(error=Overloaded("the metrics collector is not available")))
+    assert error_of(down.get("/metrics"), 503)["type"] == "server_error"
 
 
 def test_streamed_chat_has_role_first_deltas_reason_usage_and_done():

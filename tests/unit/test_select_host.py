@@ -103,7 +103,6 @@ def test_an_injected_host_is_used_as_it_is():
     async def build():
         replica = object.__new__(TritonReplica)
         await replica.__init__(model, host=host)
-        replica._metrics.stop()
         return replica
 
     assert asyncio.run(build()).host is host and started == [True]

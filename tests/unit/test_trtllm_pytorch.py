@@ -160,7 +160,7 @@ def test_options_come_from_trtllm_yaml_and_rebuilds_are_configs_only(repo, check
     assert options["max_batch_size"] == 8
     assert options["kv_cache_config"] == {
         "free_gpu_memory_fraction": 0.85,
-        "enable_block_reuse": False,
+        "enable_block_reuse": True,  # KvCacheConfig(enable_block_reuse=True): prefix reuse
     }
     assert options["scheduler_config"] == {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"}
     assert parse(repo, contract.TENSORRT_LLM).max_batch_size == 8

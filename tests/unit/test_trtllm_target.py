@@ -230,7 +230,11 @@ def engine_config(settings: TrtllmSettings, version: str) -> dict:
             "max_num_tokens": settings.max_num_tokens,
             "max_beam_width": settings.max_beam_width,
             "kv_cache_type": "PAGED",
-            "plugin_config": {"remove_input_padding": True, "context_fmha": True},
+            "plugin_config": {
+                "remove_input_padding": True,
+                "context_fmha": True,
+                "use_paged_context_fmha": settings.paged_context_fmha,
+            },
         },
     }
 
@@ -247,6 +251,23 @@ def test_engine_mismatch_reads_the_engines_own_config(tmp_path):
     assert "max_batch_size is 64, the config says 128" in engine_mismatch(tmp_path, bigger, "1.2.1")
     bf16 = TrtllmSettings(dtype="bfloat16")
     assert "dtype is float16" in engine_mismatch(tmp_path, bf16, "1.2.1")
+    no_reuse = TrtllmSettings(enable_kv_cache_reuse=False)  # built for reuse: rebuild
+    assert "use_paged_context_fmha is True" in engine_mismatch(tmp_path, no_reuse, "1.2.1")
+
+
+def test_kv_cache_block_reuse_is_on_by_default_with_what_the_engine_build_needs(repo):
+    settings = TrtllmSettings.load()  # build_engines/trtllm.yaml
+    assert settings.enable_kv_cache_reuse and settings.context_fmha
+    command = build_command(settings, Path("/ckpt"), Path("/engine"))
+    pairs = dict(zip(command[1::2], command[2::2], strict=True))
+    assert pairs["--use_paged_context_fmha"] == "enable" and pairs["--kv_cache_type"] == "paged"
+    fill_configs(settings, repo)
+    params = parse_config(repo, contract.TENSORRT_LLM).parameters
+    assert params["enable_kv_cache_reuse"].string_value == "true"
+    off = TrtllmSettings(enable_kv_cache_reuse=False)
+    assert "--use_paged_context_fmha" not in build_command(off, Path("c"), Path("e"))
+    with pytest.raises(SettingsError, match="context_fmha: true"):
+        TrtllmSettings.from_dict({"context_fmha": False})
 
 
 class FakeTrtllmBuild:

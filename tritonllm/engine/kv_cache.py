@@ -26,7 +26,11 @@ class _Plan:
 
     slots: torch.Tensor  # row of each batch entry of the forward
     columns: torch.Tensor | None = None  # decode: the column each row writes
-    width: int = 0  # decode: columns attention reads (max column + 1)
+    width: int = 0  # columns attention reads (decode: max column + 1)
+    # prefill after a cached prefix: row i's new tokens start at column starts[i] and
+    # are lengths[i] long (the rest of the forward's width is padding)
+    starts: list[int] | None = None
+    lengths: list[int] | None = None
 
 
 class SlotKVCache(Cache):
@@ -68,10 +72,48 @@ class SlotKVCache(Cache):
     def capacity(self) -> int:
         return self._keys[0].shape[2]
 
-    def plan_prefill(self, slots: list[int], length: int) -> None:
-        """The next forward fills columns ``[0, length)`` of ``slots``."""
+    @property
+    def num_layers(self) -> int:
+        return len(self._keys)
+
+    @property
+    def kv_shape(self) -> tuple[int, int]:
+        """(key/value heads, head dim)."""
+        return self._keys[0].shape[1], self._keys[0].shape[3]
+
+    def bytes_per_token(self) -> int:
+        heads, dim = self.kv_shape
+        return 2 * self.num_layers * heads * dim * self._keys[0].element_size()
+
+    def new_empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._keys[0].new_empty(shape)
+
+    def row_views(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, writable views of columns ``[0, length)`` of row ``slot``."""
         self._reserve(length)
-        self._plan = _Plan(torch.tensor(slots, device=self._keys[0].device))
+        return [
+            (k[slot, :, :length], v[slot, :, :length])
+            for k, v in zip(self._keys, self._values, strict=True)
+        ]
+
+    def plan_prefill(
+        self,
+        slots: list[int],
+        length: int,
+        starts: list[int] | None = None,
+        lengths: list[int] | None = None,
+    ) -> None:
+        """The next forward fills columns ``[0, length)`` of ``slots``; or, with
+        ``starts``, columns ``[starts[i], starts[i] + lengths[i])`` of ``slots[i]``,
+        whose columns before ``starts[i]`` hold a cached prefix."""
+        rows = torch.tensor(slots, device=self._keys[0].device)
+        if starts is None:
+            self._reserve(length)
+            self._plan = _Plan(rows)
+            return
+        width = max(s + n for s, n in zip(starts, lengths, strict=True))
+        self._reserve(width)
+        self._plan = _Plan(rows, width=width, starts=starts, lengths=lengths)
 
     def plan_decode(self, columns: torch.Tensor) -> None:
         """The next forward writes row ``i`` (slots ``0..n-1``) at ``columns[i]``."""
@@ -89,6 +131,8 @@ class SlotKVCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         plan, keys, values = self._plan, self._keys[layer_idx], self._values[layer_idx]
+        if plan.starts is not None:
+            return self._update_after_prefix(plan, keys, values, key_states, value_states)
         if plan.columns is None:  # prefill: the new states are the whole context
             length = key_states.shape[2]
             keys[plan.slots, :, :length] = key_states
@@ -98,6 +142,17 @@ class SlotKVCache(Cache):
         values[plan.slots, :, plan.columns] = value_states[:, :, 0]
         n = len(plan.slots)
         return keys[:n, :, : plan.width], values[:n, :, : plan.width]
+
+    @staticmethod
+    def _update_after_prefix(plan, keys, values, key_states, value_states):
+        """Write each row's real tokens after its prefix (rows start at different
+        columns: a copy per row), then read the rows' first ``width`` columns; the
+        padding's states are never written, and the mask hides what lies past a row."""
+        for i, (start, n) in enumerate(zip(plan.starts, plan.lengths, strict=True)):
+            slot = plan.slots[i]
+            keys[slot, :, start : start + n] = key_states[i, :, :n]
+            values[slot, :, start : start + n] = value_states[i, :, :n]
+        return keys[plan.slots, :, : plan.width], values[plan.slots, :, : plan.width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self._plan is None or self._plan.columns is None else self._plan.width - 1

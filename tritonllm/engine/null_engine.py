@@ -58,7 +58,12 @@ class NullRunner:
     def new_cache(self, num_slots: int, max_len: int) -> NullCache:
         return NullCache()
 
-    def prefill(self, cache: NullCache, slots: list[int], prompts: list[list[int]]) -> list[None]:
+    def new_prefix_cache(self, cache: NullCache, budget_mb: float, block_size: int) -> None:
+        return None  # no keys and values to keep
+
+    def prefill(
+        self, cache: NullCache, slots: list[int], prompts: list[list[int]], starts=None
+    ) -> list[None]:
         time.sleep(self.step_s)
         return [None] * len(prompts)
 

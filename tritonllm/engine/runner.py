@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from tritonllm.engine.kv_cache import SlotKVCache
+from tritonllm.engine.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -60,31 +61,55 @@ class CausalLMRunner:
     def new_cache(self, num_slots: int, max_len: int) -> SlotKVCache:
         return SlotKVCache.for_model(self.model, num_slots, max_len)
 
+    def new_prefix_cache(
+        self, cache: SlotKVCache, budget_mb: float, block_size: int
+    ) -> PrefixCache | None:
+        return PrefixCache.for_budget(cache, budget_mb, block_size)
+
     @torch.inference_mode()
-    def prefill(self, cache: SlotKVCache, slots: list[int], prompts: list[list[int]]):
+    def prefill(
+        self,
+        cache: SlotKVCache,
+        slots: list[int],
+        prompts: list[list[int]],
+        starts: list[int] | None = None,
+    ):
         """Logits ``[len(prompts), vocab]`` after each whole prompt; prompt ``i`` fills
-        row ``slots[i]``.
+        row ``slots[i]``, whose first ``starts[i]`` columns (if given) already hold
+        the keys and values of its first ``starts[i]`` tokens (a cached prefix).
 
         Prompts are right-padded into one forward (on 2 CPU cores 16 prompts of 32
         tokens run in about half the time of 16 forwards); the padding's keys and
         values land past each row's length, where decode overwrites or masks them.
         """
-        lengths = [len(p) for p in prompts]
+        if starts is not None and not any(starts):
+            starts = None  # nothing cached: the cheaper forward with no cache reads
+        news = [p[s:] for p, s in zip(prompts, starts, strict=True)] if starts else prompts
+        lengths = [len(p) for p in news]
         width = max(lengths)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt)] = torch.tensor(prompt)
+        ids = torch.zeros((len(news), width), dtype=torch.long)
+        for row, new in enumerate(news):
+            ids[row, : len(new)] = torch.tensor(new)
         last = torch.tensor(lengths) - 1
         keep = torch.unique(last)  # sorted: logits only where some prompt ends
-        cache.plan_prefill(slots, width)
+        if starts:
+            cache.plan_prefill(slots, width, starts, lengths)
+            offsets = torch.tensor(starts, device=self.device)[:, None]
+            positions = offsets + torch.arange(width, device=self.device)[None, :]
+            mask = self._prefix_prefill_mask(positions, offsets[:, 0] + torch.tensor(lengths))
+        else:
+            cache.plan_prefill(slots, width)
+            positions = None
+            mask = None if len(news) == 1 else self._prefill_mask(lengths, width)
         out = self.model(
             input_ids=ids.to(self.device),
-            attention_mask=None if len(prompts) == 1 else self._prefill_mask(lengths, width),
+            position_ids=positions,
+            attention_mask=mask,
             logits_to_keep=keep.to(self.device),
             cache=cache,
             use_cache=True,
         )
-        return out.logits[torch.arange(len(prompts)), torch.searchsorted(keep, last)]
+        return out.logits[torch.arange(len(news)), torch.searchsorted(keep, last)]
 
     @torch.inference_mode()
     def decode(self, cache: SlotKVCache, token_ids: list[int], positions: list[int]):
@@ -111,6 +136,14 @@ class CausalLMRunner:
         causal = positions[None, :] <= positions[:, None]  # [query, key]
         real = positions[None, :] < torch.tensor(lengths, device=self.device)[:, None]
         allowed = causal[None, :, :] & real[:, None, :]
+        return self._additive(~allowed)[:, None, :, :]
+
+    def _prefix_prefill_mask(self, positions: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Additive 4-D mask after cached prefixes: the query at ``positions[i, j]``
+        reads row ``i``'s columns up to itself and before ``ends[i]`` (prefix + prompt)."""
+        columns = torch.arange(int(ends.max()), device=self.device)
+        allowed = columns[None, None, :] <= positions[:, :, None]
+        allowed &= columns[None, None, :] < ends.to(self.device)[:, None, None]
         return self._additive(~allowed)[:, None, :, :]
 
     def _decode_mask(self, columns: torch.Tensor, width: int) -> torch.Tensor:

@@ -91,9 +91,11 @@ class StepStats:
 
     running: int  # sequences in the batch after the step
     queued: int
-    prefill_tokens: int
+    prefill_tokens: int  # prompt tokens computed (cached prefixes are not)
     generated_tokens: int  # one per prefill and one per decoded row
     seconds: float
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, tokens found there (not prefilled)
 
 
 class EngineObserver(Protocol):
@@ -130,6 +132,8 @@ class Engine:
         max_num_tokens: int = 8192,
         observer: EngineObserver | None = None,
         num_threads: int = 0,
+        prefix_cache_mb: float = 0,
+        prefix_block_size: int = 16,
     ):
         self.runner = runner
         # torch's intra-op thread count is per OS thread (a thread started inside
@@ -150,6 +154,12 @@ class Engine:
         self.max_num_tokens = max_num_tokens
         self._observer = observer
         self._cache = runner.new_cache(max_batch_size, self.max_seq_len)
+        # None: off (a budget of 0, or a runner with no keys and values to keep).
+        self._prefix = (
+            runner.new_prefix_cache(self._cache, prefix_cache_mb, prefix_block_size)
+            if prefix_cache_mb > 0
+            else None
+        )
         self._pending: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # _running[i].slot == i between steps
         # Ids queued or running (counted: clients may reuse one), so cancel() cannot leak.
@@ -236,6 +246,8 @@ class Engine:
         self._drop_cancelled()
         self._compact()
         admitted = self._admit()
+        prompt_tokens = sum(len(s.request.input_ids) for s in admitted)
+        hits = sum(s.cached for s in admitted)  # before the prefill: the cached prefixes
         for group in _prefill_groups(admitted):
             self._guarded(group, self._prefill, group)
         self._compact()
@@ -247,9 +259,11 @@ class Engine:
             stats = StepStats(
                 running=len(self._running),
                 queued=len(self._pending),
-                prefill_tokens=sum(len(s.request.input_ids) for s in admitted),
+                prefill_tokens=prompt_tokens - hits,
                 generated_tokens=len(admitted) + decoding,
                 seconds=time.perf_counter() - start,
+                prefix_queried_tokens=prompt_tokens if self._prefix is not None else 0,
+                prefix_hit_tokens=hits,
             )
             try:
                 self._observer.on_step(stats)
@@ -270,17 +284,23 @@ class Engine:
                 self._finish(seq, "cancelled")
 
     def _admit(self) -> list[Sequence]:
-        """Move queued requests (first come, first served) into free slots within budget."""
+        """Move queued requests (first come, first served) into free slots within budget;
+        each starts with the longest prefix the prefix cache holds already in its slot."""
         budget = self.max_num_tokens - len(self._running)
         admitted = []
         with self._lock:
             while self._pending and len(self._running) < self.max_batch_size:
-                prompt_len = len(self._pending[0].request.input_ids)
-                if prompt_len > budget:
+                history = self._pending[0].history
+                chain = self._prefix.match(history) if self._prefix is not None else []
+                computed = len(history) - (len(chain) * self._prefix.block_size if chain else 0)
+                if computed > budget:
                     break
                 seq = self._pending.popleft()
-                budget -= prompt_len
+                budget -= computed
                 seq.slot = len(self._running)
+                # Loaded at once: nothing is saved (so nothing evicted) in between.
+                if chain:
+                    seq.cached = self._prefix.load(self._cache, seq.slot, chain)
                 self._running.append(seq)
                 admitted.append(seq)
         return admitted
@@ -298,12 +318,17 @@ class Engine:
         torch.set_num_threads(self.prefill_threads)
         try:
             logits = self.runner.prefill(
-                self._cache, [s.slot for s in group], [s.history for s in group]
+                self._cache,
+                [s.slot for s in group],
+                [s.history for s in group],
+                [s.cached for s in group],
             )
         finally:
             torch.set_num_threads(self.decode_threads)
         for seq, row_logits in zip(group, logits, strict=True):
             seq.cached = len(seq.history)
+            if self._prefix is not None:  # now, so that a request admitted next step finds it
+                self._prefix.save(self._cache, seq.slot, seq.history)
             self._sample(seq, row_logits)
 
     def _decode(self) -> None:
@@ -341,6 +366,9 @@ class Engine:
         for seq in self._running:
             if seq.finish_reason is not None:
                 self._forget(seq)
+                # Saved before its row is reused; an error may have left it half written.
+                if self._prefix is not None and seq.finish_reason != "error":
+                    self._prefix.save(self._cache, seq.slot, seq.history[: seq.cached])
         holes = sorted(s.slot for s in self._running if s.finish_reason and s.slot < len(keep))
         movers = [s for s in keep if s.slot >= len(keep)]
         for seq, hole in zip(movers, holes, strict=True):
@@ -400,8 +428,8 @@ def _prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
     """Prompts of similar length, batched so that padding is at most half of a group."""
     groups: list[list[Sequence]] = []
     real = 0
-    for seq in sorted(seqs, key=lambda s: len(s.history)):
-        length = len(seq.history)  # the longest of its group so far: sorted
+    for seq in sorted(seqs, key=lambda s: len(s.history) - s.cached):
+        length = len(seq.history) - seq.cached  # the longest of its group so far: sorted
         if groups and (len(groups[-1]) + 1) * length <= 2 * (real + length):
             groups[-1].append(seq)
             real += length

@@ -42,4 +42,6 @@ class TritonPythonModel(DecoupledEngineModel):
             max_num_tokens=model_args.int("max_num_tokens", 8192),
             observer=EngineMetrics(pb_utils, args["model_name"]),
             num_threads=model_args.int("num_threads", 0),
+            prefix_cache_mb=float(model_args.str("prefix_cache_mb", "0")),
+            prefix_block_size=model_args.int("prefix_cache_block_size", 16),
         )

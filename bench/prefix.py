@@ -1,0 +1,209 @@
+"""``make bench-prefix``: prefix caching and prefix-aware routing, side by side.
+
+A chat workload on the ~30M bench model (2,048-token context): ``--conversations``
+conversations, each its own long prefix (``--prefix-words`` words, ~1.3 tokens each)
+and ``--turns`` short turns; round ``t`` sends turn ``t`` of every conversation,
+``--concurrency`` at a time, so between two turns of one conversation every other
+conversation runs once (a replica that sees them all needs them all cached). Each
+replica's cache budget holds about half of the conversations (``--budget-share``).
+
+Three applications of one ``serve run``, two Triton replicas each, measured one after
+the other on the same prompts: ``off`` (no prefix cache), ``on`` (the cache, Serve's
+default routing), ``routed`` (the cache and ``routing: prefix_aware``). Then a workload
+with no shared prefix on ``off`` and ``on`` (the cache's cost when it never hits).
+Prefill tokens computed and the hit rate come from the replicas' own Triton metrics.
+Writes ``results.json`` under ``--out`` (docs/bench/prefix.json is one such run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+
+from bench.common import ROOT, WORDS, build_bench_repository, make_prompts
+from bench.loadgen import OpenAITarget, run_level, summarize
+from bench.serving import serve_run
+from serve.triton.launcher import free_port
+
+console = Console(soft_wrap=True, width=150)
+MODEL = "tritonllm-default"
+APPS = {"off": ("off", "default"), "on": ("on", "default"), "routed": ("routed", "prefix_aware")}
+COUNTERS = {
+    "prefill_tokens": "tritonllm_engine_prompt_tokens_total",
+    "queried_tokens": "vllm:prefix_cache_queries_total",
+    "hit_tokens": "vllm:prefix_cache_hits_total",
+}
+KV_BYTES_PER_TOKEN = 2 * 10 * 4 * 64 * 4  # bench model: K and V, 10 layers, 4 kv heads, fp32
+
+
+def conversation_prompts(conversations: int, turns: int, prefix_words: int, seed: int = 0):
+    """Round by round: turn t of every conversation (its prefix and t short questions)."""
+    rng = random.Random(seed)
+    prefixes = [
+        f"Conversation {c}. " + " ".join(rng.choice(WORDS) for _ in range(prefix_words))
+        for c in range(conversations)
+    ]
+    questions = [
+        [" ".join(rng.choice(WORDS) for _ in range(8)) + "?" for _ in range(turns)]
+        for _ in range(conversations)
+    ]
+    return [
+        prefixes[c] + "".join(f"\nUser: {q}" for q in questions[c][: t + 1])
+        for t in range(turns)
+        for c in range(conversations)
+    ]
+
+
+def repositories(out: Path, budget_mb: float) -> dict[str, Path]:
+    """One build of the bench model with the cache at ``budget_mb``, copied per app;
+    ``off``'s copy with the cache off (each app's Tritons are found by their path)."""
+    built = build_bench_repository(out / "build", 8, 0, "--prefix-cache-mb", str(budget_mb))
+    repos = {}
+    for app in APPS:
+        repos[app] = out / app / "model_repository"
+        shutil.rmtree(repos[app], ignore_errors=True)
+        shutil.copytree(built, repos[app], symlinks=True)
+    config = repos["off"] / "tensorrt_llm" / "config.pbtxt"
+    text = re.sub(
+        r'(key: "prefix_cache_mb" value: \{ string_value: ")[^"]*"',
+        r'\g<1>0"',
+        config.read_text(),
+    )
+    config.write_text(text)
+    return repos
+
+
+def serve_config(repos: dict[str, Path], port: int) -> dict:
+    shipped = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
+    base = shipped["applications"][0]
+    model = next(m for m in base["args"]["models"] if m.get("task", "generate") == "generate")
+    applications = []
+    for app, (name, routing) in APPS.items():
+        deployment = {**model["deployment"], "num_replicas": 2}
+        deployment.pop("autoscaling_config", None)
+        # Six replicas on a small machine: only two of them work at a time.
+        deployment["ray_actor_options"] = {"num_cpus": 0.25}
+        llm = {**model, "triton": {"model_repository": str(repos[app])}, "routing": routing}
+        llm["deployment"] = deployment
+        args = {**base["args"], "models": [llm]}
+        applications.append({**base, "name": name, "route_prefix": f"/{name}", "args": args})
+    return {
+        **shipped,
+        "http_options": {**shipped["http_options"], "port": port},
+        "applications": applications,
+    }
+
+
+def triton_counters(repository: Path) -> dict[str, float]:
+    """The prefix counters summed over the Tritons serving ``repository``."""
+    totals = dict.fromkeys(COUNTERS, 0.0)
+    for pid in _tritons(repository):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        port = next(a.split(b"=")[1].decode() for a in cmdline if a.startswith(b"--metrics-port="))
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        for key, name in COUNTERS.items():
+            totals[key] += samples.get(name, 0.0)
+    return totals
+
+
+def _tritons(repository: Path) -> list[int]:
+    mark = f"--model-repository={repository}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and mark in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
+
+
+async def measure(app: str, url: str, repo: Path, prompts, concurrency, output_len) -> dict:
+    target = OpenAITarget(app, f"{url}/{app}", MODEL)
+    await run_level(target, make_prompts(2, 20, seed=99), 2, 4)  # connections, first loads
+    before = triton_counters(repo)
+    records, seconds = await run_level(target, prompts, concurrency, output_len)
+    after = triton_counters(repo)
+    await target.aclose()
+    result = {"system": app, **summarize(records, seconds)}
+    result.update({k: after[k] - before[k] for k in COUNTERS})
+    queried = result["queried_tokens"]
+    result["hit_rate"] = result["hit_tokens"] / queried if queried else 0.0
+    console.log(
+        f"{app:>7}: TTFT p50 {result['ttft_p50_ms']:.0f} ms p99 {result['ttft_p99_ms']:.0f} ms, "
+        f"{result['output_tokens_per_s']:.1f} tok/s, prefill {result['prefill_tokens']:.0f}, "
+        f"hit rate {result['hit_rate']:.2f}, errors {result['errors']}"
+    )
+    return result
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m bench.prefix",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--prefix-words", type=int, default=900, help="~1,200 tokens")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument(
+        "--budget-share",
+        type=float,
+        default=0.5,
+        help="conversations one replica's cache holds, as a share of all",
+    )
+    p.add_argument("--unique-prompts", type=int, default=16, help="0: skip the no-prefix run")
+    p.add_argument("--out", type=Path, default=ROOT / "build" / "bench-prefix")
+    return p.parse_args(argv)
+
+
+async def run(args, url: str, repos: dict[str, Path], prompts: list[str]) -> dict:
+    shared = [
+        await measure(app, url, repos[app], prompts, args.concurrency, args.output_len)
+        for app in APPS
+    ]
+    unique = []
+    if args.unique_prompts:
+        fresh = make_prompts(args.unique_prompts, 250, seed=7)
+        for app in ("off", "on"):
+            unique.append(
+                await measure(app, url, repos[app], fresh, args.concurrency, 4 * args.output_len)
+            )
+    return {"shared_prefix": shared, "no_shared_prefix": unique}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    prompts = conversation_prompts(args.conversations, args.turns, args.prefix_words)
+    prefix_tokens = 1.3 * args.prefix_words  # the bench tokenizer on WORDS, measured ~1.3
+    budget_mb = args.budget_share * args.conversations * prefix_tokens * KV_BYTES_PER_TOKEN / 2**20
+    repos = repositories(args.out, round(budget_mb, 1))
+    config = serve_config(repos, free_port())
+    ready = tuple(f"/{app}/v1/models" for app in APPS)
+    with serve_run(config, args.out, "default", ready_paths=ready) as url:
+        results = asyncio.run(run(args, url, repos, prompts))
+    results["workload"] = {
+        **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "budget_mb_per_replica": budget_mb,
+    }
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    console.print_json(json.dumps(results["workload"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""What operators probe and scrape: ``GET /health`` and ``GET /metrics``.
+
+/health needs no API key: probes (Docker's healthcheck, Kubernetes' readinessProbe)
+carry none, and it says no more than which configured model is not ready.
+
+/metrics asks for the API key when keys are configured, as /v1/* does. The API port
+is the public one (compose publishes it, the RayService's Ingress routes ``/`` to it),
+and the figures (traffic per model, replica ids, Triton's model names) are for the
+operator, not the clients; Prometheus sends a key with ``authorization:
+{credentials_file: ...}`` in its scrape config. vLLM leaves its /metrics open
+whatever ``--api-key`` says; with no key configured (loopback use) ours is open too.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from serve.api.auth import require_api_key
+from serve.api.errors import NotReady
+from serve.metrics import CONTENT_TYPE
+
+operations_router = APIRouter()
+
+
+@operations_router.get("/health")
+async def health(request: Request):
+    """200 once every configured model has a running replica (whose Triton reported
+    the model ready and passes Serve's health checks), else 503 (an OpenAI error
+    object) naming the models that are not. Serve's own ``/-/healthz`` says only that
+    the proxy is up."""
+    backend = request.app.state.backend
+    waiting = await backend.not_ready()
+    if waiting:
+        reasons = "; ".join(f"{model}: {reason}" for model, reason in sorted(waiting.items()))
+        raise NotReady(f"not ready: {reasons}", param="model", code="model_not_ready")
+    return {"status": "ready", "models": [m.id for m in backend.config.models]}
+
+
+@operations_router.get("/metrics", dependencies=[Depends(require_api_key)])
+async def metrics(request: Request):
+    """Prometheus text of the whole application (docs/metrics.md)."""
+    text = await request.app.state.backend.metrics_text()
+    return Response(text, media_type=CONTENT_TYPE)

@@ -1,0 +1,65 @@
+"""routing: prefix_aware on a real cluster: two Triton replicas, each conversation's
+turns go to the replica that already holds its prefix (read from each replica's own
+Triton metrics), and that replica's prefix cache serves them."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.cluster import serve_config, triton_http_url
+
+pytestmark = pytest.mark.integration
+
+# Four conversations that share no prefix (Ray's router sends a prompt that matches
+# under 10% of its characters to the replica holding the least).
+OPENINGS = [
+    "The robot writes a long letter to the old town, and the teacher reads it aloud.",
+    "Many small servers answer requests near the sea while the café opens at nine.",
+    "A cat sleeps in the sun by the window; the dog and the old man walk to the river.",
+    "In the morning the scheduler sends every request to a replica with a warm cache.",
+]
+
+
+def prefix_counters(metrics_url: str) -> tuple[float, float]:
+    text = httpx.get(f"{metrics_url}/metrics", timeout=10).text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return samples["vllm:prefix_cache_queries_total"], samples["vllm:prefix_cache_hits_total"]
+
+
+def served_by(urls: list[str], before: list[tuple[float, float]]) -> int:
+    """The replica whose prefix cache was queried since ``before`` (one request)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        grew = [i for i, u in enumerate(urls) if prefix_counters(u)[0] > before[i][0]]
+        if grew:
+            assert len(grew) == 1, grew
+            return grew[0]
+        time.sleep(0.05)
+    raise AssertionError("no replica counted the request")
+
+
+def test_each_conversation_stays_on_the_replica_holding_its_prefix(cluster, built_repository):
+    deployment = {"autoscaling_config": None, "num_replicas": 2}
+    cluster.deploy(serve_config(built_repository, routing="prefix_aware", deployment=deployment))
+    cluster.wait_running()
+    replicas = cluster.running_replicas("llm", "Triton-tritonllm-default")
+    urls = [triton_http_url(r, port="metrics") for r in replicas]
+    assert len(urls) == 2
+    replicas_of = {}
+    for conversation, opening in enumerate(OPENINGS):
+        prompt = opening
+        for turn in range(3):
+            prompt += f" Question {turn}: where did they go next?"
+            before = [prefix_counters(u) for u in urls]
+            body = {"model": "tritonllm-default", "prompt": prompt, "max_tokens": 4}
+            response = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            replicas_of.setdefault(conversation, set()).add(served_by(urls, before))
+    assert all(len(r) == 1 for r in replicas_of.values()), replicas_of
+    assert set.union(*replicas_of.values()) == {0, 1}  # new conversations spread out
+    hits = sum(prefix_counters(u)[1] for u in urls)
+    assert hits >= len(OPENINGS) * 2 * 16  # turns 2 and 3 reused at least a block each
