@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 class GenerateParams:
     """One generation request, already validated by the API layer."""
 
-    prompt: str
+    prompt: str  # "" when the client sent prompt_token_ids instead
     max_tokens: int
     temperature: float | None = None
     top_p: float | None = None
@@ -29,7 +29,9 @@ class GenerateParams:
     frequency_penalty: float | None = None
     min_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate max_tokens whatever the model's end token
     return_log_probs: bool = False
+    prompt_token_ids: tuple[int, ...] = ()  # a prompt the client tokenized itself
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     variant: str | None = None  # a multiplexed pool's variant (its own Triton ensemble)
 
@@ -43,6 +45,9 @@ class GenerationChunk:
     num_output_tokens: int
     cum_log_prob: float | None = None
     finish_reason: str | None = None  # "stop" | "length" on the last chunk
+    # With ``return_log_probs``: the new tokens' ids and each one's log probability.
+    token_ids: tuple[int, ...] = ()
+    token_log_probs: tuple[float, ...] = ()
 
     def merged(self, later: GenerationChunk) -> GenerationChunk:
         """One chunk for this one and the ``later`` one of the same answer (OpenAI's
@@ -53,6 +58,8 @@ class GenerationChunk:
             num_output_tokens=later.num_output_tokens,
             cum_log_prob=later.cum_log_prob,
             finish_reason=later.finish_reason,
+            token_ids=self.token_ids + later.token_ids,
+            token_log_probs=self.token_log_probs + later.token_log_probs,
         )
 
 

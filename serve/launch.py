@@ -118,8 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     print(greeting(config), flush=True)
     serve = shutil.which("serve", path=str(Path(sys.executable).parent)) or "serve"
+    # A Ray instance of its own: without an address, `serve run` joins the newest Ray
+    # that `ray start` left on this machine (another stack, a test cluster) and
+    # replaces its application. RAY_ADDRESS in the environment still picks one.
+    address = os.environ.get("RAY_ADDRESS") or "local"
     process = subprocess.Popen(
-        [serve, "run", str(config_path)], env=LOCAL_ENV | serve_env(args.mode, scratch)
+        [serve, "run", "--address", address, str(config_path)],
+        env=LOCAL_ENV | serve_env(args.mode, scratch),
     )
     # A SIGTERM for this process stops serve run as a Ctrl-C would.
     signal.signal(signal.SIGTERM, lambda *_: process.send_signal(signal.SIGINT))

@@ -58,6 +58,9 @@ POSTPROCESSING = "postprocessing"
 ENSEMBLE_INPUTS = (
     _t("text_input", "STRING", 1),
     _t("max_tokens", "INT32", 1),
+    # A prompt already tokenized (an extension of NVIDIA's ensemble): taken as it is,
+    # instead of text_input (sent empty), with no special tokens added.
+    _opt("input_ids", "INT32", -1),
     _opt("bad_words", "STRING", -1),
     _opt("stop_words", "STRING", -1),
     _opt("end_id", "INT32", 1),
@@ -81,6 +84,9 @@ ENSEMBLE_INPUTS = (
 
 ENSEMBLE_OUTPUTS = (
     _t("text_output", "STRING", -1),
+    # The generated ids, as tensorrt_llm returns them (an extension of NVIDIA's
+    # ensemble): the API names each token of a ``logprobs`` answer with them.
+    _t("output_ids", "INT32", -1, -1),
     _t("cum_log_probs", "FP32", -1),
     _t("output_log_probs", "FP32", -1, -1),
     _t("num_input_tokens", "INT32", 1),
@@ -91,6 +97,7 @@ ENSEMBLE_OUTPUTS = (
 PREPROCESSING_INPUTS = (
     _t("QUERY", "STRING", 1),
     _t("REQUEST_OUTPUT_LEN", "INT32", 1),
+    _opt("INPUT_IDS", "INT32", -1),
     _opt("BAD_WORDS_DICT", "STRING", -1),
     _opt("STOP_WORDS_DICT", "STRING", -1),
     _opt("END_ID", "INT32", 1),

@@ -46,7 +46,11 @@ class TritonSink:
             self._sender.send(pb.InferenceResponse(error=item), flags=final)
             return True
         chunk = item
-        if chunk.finished and not chunk.token_ids and self._generation_request.streaming:
+        # A stream's end after its tokens (an EOS) is a bare final flag, as TensorRT-LLM
+        # sends it; an answer that ends before any token still needs one response, or
+        # the client never learns the prompt's token count.
+        streamed = self._generation_request.streaming and chunk.num_output_tokens
+        if chunk.finished and not chunk.token_ids and streamed:
             self._sender.send(flags=final)
             return True
         tensors = chunk_to_tensors(chunk, self._generation_request)

@@ -73,6 +73,10 @@ def llm_kwargs(model_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
     return update_llm_args_with_extra_dict(base, options)
 
 
+def _ignores_eos(request: GenerationRequest) -> bool:
+    return request.end_id is not None and request.end_id < 0
+
+
 def _greedy(request: GenerationRequest) -> bool:
     s = request.sampling
     if s.temperature == 0 or s.top_k == 1:
@@ -97,7 +101,9 @@ def sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
         )
     kwargs: dict[str, Any] = {
         "max_tokens": request.max_tokens,
-        "end_id": request.end_id,
+        # TensorRT-LLM's "no end id" (-1, what ignore_eos sends) is the LLM API's flag.
+        "end_id": request.end_id if not _ignores_eos(request) else None,
+        "ignore_eos": _ignores_eos(request),
         "pad_id": request.pad_id,
         "seed": s.seed,
         "min_tokens": s.min_tokens or None,

@@ -38,8 +38,12 @@ def preprocess(
     end_id=None,
     pad_id=None,
     add_special_tokens: bool = True,
+    prompt_ids=None,
 ) -> dict[str, np.ndarray]:
-    """Batch of requests (leading dim) to the tensors the ensemble feeds tensorrt_llm."""
+    """Batch of requests (leading dim) to the tensors the ensemble feeds tensorrt_llm.
+
+    ``prompt_ids`` ([batch, length]), when given, is the prompt as the client
+    tokenized it: used as it is, ``query`` ignored."""
     batch = query.shape[0]
     output_len = np.asarray(request_output_len, dtype=np.int32).reshape(batch, 1)
     if (output_len <= 0).any():
@@ -51,10 +55,13 @@ def preprocess(
     end_ids = _scalar_column(end_id, batch, eos)
     pad_ids = _scalar_column(pad_id, batch, pad)
 
-    prompts = tokenization.decode_words(query)
-    if len(prompts) != batch:
-        raise InvalidRequest("text_input is empty: send a non-empty prompt")
-    ids = [tokenization.encode_prompt(tokenizer, p, add_special_tokens) for p in prompts]
+    if prompt_ids is not None:
+        ids = [row.tolist() for row in np.asarray(prompt_ids).reshape(batch, -1)]
+    else:
+        prompts = tokenization.decode_words(query)
+        if len(prompts) != batch:
+            raise InvalidRequest("text_input is empty: send a non-empty prompt")
+        ids = [tokenization.encode_prompt(tokenizer, p, add_special_tokens) for p in prompts]
     width = max(len(x) for x in ids)
     input_ids = np.empty((batch, width), dtype=np.int32)
     for i, row in enumerate(ids):

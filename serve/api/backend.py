@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from serve.api.sampling import SamplingDefaults
 from serve.config import AppConfig, ModelConfig
 from serve.generation import GenerateParams, GenerationChunk
 
@@ -28,6 +29,15 @@ class Backend(Protocol):
     def chat_prompt(self, model: ModelConfig, messages: list[dict]) -> str:
         """The messages rendered with the model's chat template (one BOS)."""
 
+    def vocab_size(self, model: ModelConfig) -> int:
+        """How many token ids the model's tokenizer knows (a token-id prompt's bound)."""
+
+    def token_texts(self, model: ModelConfig, token_ids: tuple[int, ...]) -> list[str]:
+        """Each token's own text (a ``logprobs`` answer names its tokens)."""
+
+    def sampling_defaults(self, model: ModelConfig) -> SamplingDefaults:
+        """The model's checkpoint's sampling defaults (``generation_config.json``)."""
+
     async def start(
         self, model: ModelConfig, params: GenerateParams
     ) -> tuple[GenerationChunk, AsyncIterator[GenerationChunk]]:
@@ -37,7 +47,8 @@ class Backend(Protocol):
     async def collect(
         self, model: ModelConfig, params: GenerateParams
     ) -> tuple[str, GenerationChunk]:
-        """The whole answer and its last chunk (finish reason, token counts)."""
+        """The whole answer and its last chunk (finish reason, token counts), whose
+        ``token_ids`` and ``token_log_probs`` are the whole answer's."""
 
     async def embed(self, model: ModelConfig, texts: list[str]) -> Embeddings:
         """One vector per text."""

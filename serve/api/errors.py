@@ -88,6 +88,15 @@ def _not_a_field(part) -> bool:
     return part in ("body", "query") or (isinstance(part, str) and bool(_UNION_MEMBER.match(part)))
 
 
+def _specificity(error: dict) -> tuple[bool, int]:
+    """Sort key of pydantic's errors, the one to tell the client first: a union field
+    fails once per member, and "not a valid string" for the ``str`` member of
+    ``str | list[str]`` hides the list member's real reason: a value's own error (the
+    deepest first) goes before the type mismatches, which keep pydantic's order."""
+    mismatch = error["type"].endswith("_type")
+    return mismatch, 0 if mismatch else -len(error["loc"])
+
+
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
@@ -99,7 +108,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, error: RequestValidationError):
-        first = error.errors()[0]
+        first = min(error.errors(), key=_specificity)
         param = ".".join(str(p) for p in first["loc"] if not _not_a_field(p)) or None
         return error_response(APIError(f"{param}: {first['msg']}", param=param))
 

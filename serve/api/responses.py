@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator
 
@@ -14,17 +15,43 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, _stream: bool) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, _stream: bool, logprobs: dict | None = None
+) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, streaming: bool) -> dict:
+def chat_choice(
+    index: int, text: str, finish_reason: str | None, streaming: bool, logprobs: dict | None = None
+) -> dict:
     body = {"content": text} if streaming else {"role": "assistant", "content": text}
     key = "delta" if streaming else "message"
     return {
         "index": index,
         key: body if (text or not streaming) else {},
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
+    }
+
+
+def chat_logprobs(tokens: list[str], log_probs) -> dict:
+    """Chat's ``logprobs`` of the chosen tokens (no alternatives: ``top_logprobs`` empty)."""
+    content = [
+        {"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
+        for t, p in zip(tokens, log_probs, strict=True)
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokens: list[str], log_probs, offset: int) -> dict:
+    """Completions' ``logprobs``: each token with its offset in the choice's text,
+    which starts at ``offset``."""
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(log_probs),
+        "top_logprobs": None,
+        "text_offset": offsets if tokens else [],
     }
 
 

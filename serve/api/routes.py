@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
+import functools
+import logging
 import time
 import uuid
 from typing import Annotated
@@ -19,16 +22,29 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from serve.api.auth import require_api_key
 from serve.api.backend import Backend
-from serve.api.errors import APIError, NotFound
-from serve.api.responses import chat_choice, completion_choice, merge, sse, usage
+from serve.api.errors import APIError, InternalError, NotFound
+from serve.api.responses import (
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    merge,
+    sse,
+    usage,
+)
 from serve.api.schemas import (
+    MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     GenerateRequest,
+    SamplingFields,
 )
+from serve.api.stops import cut_stream, cut_text
 from serve.config import ModelConfig
-from serve.generation import GenerateParams
+from serve.generation import GenerateParams, GenerationChunk
+
+log = logging.getLogger("ray.serve")
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -97,17 +113,60 @@ async def retrieve_model(model_id: str, backend: BackendDep):
     return _card(model_id)
 
 
+def _choices(
+    request: Request,
+    body: SamplingFields,
+    model: ModelConfig,
+    variant: str | None,
+    prompts: list[str],
+    max_tokens: int | None,
+) -> list[GenerateParams]:
+    """One engine request per choice: ``n`` for each prompt, in OpenAI's order (the
+    ``j``-th choice of prompt ``i`` has index ``i * n + j``)."""
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise APIError(
+            f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices", "n"
+        )
+    ids = iter(_request_ids(request, len(prompts) * body.n))
+    cap, default = model.max_tokens_cap, model.default_max_tokens
+    defaults = request.app.state.backend.sampling_defaults(model)
+    return [
+        body.params(prompt, max_tokens, cap, default, next(ids), variant, j, defaults)
+        for prompt in prompts
+        for j in range(body.n)
+    ]
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, backend: BackendDep):
     model, variant = _target(request, backend, body.model, "generate")
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    _check_prompt_chars(backend, sum(len(p) for p in prompts), "prompt")
-    ids = _request_ids(request, len(prompts))
-    params = [
-        body.params(p, body.max_tokens, model.max_tokens_cap, model.default_max_tokens, i, variant)
-        for p, i in zip(prompts, ids, strict=True)
-    ]
-    return await _respond(backend, model, body, params, "text_completion")
+    prompts = body.prompts
+    if isinstance(prompts[0], str):
+        _check_prompt_chars(backend, sum(len(p) for p in prompts), "prompt")
+    else:
+        _check_token_ids(backend, model, prompts)
+    params = _choices(request, body, model, variant, prompts, body.max_tokens)
+    echoes = [_prompt_text(backend, model, p) if body.echo else "" for p in params]
+    return await _respond(backend, model, body, params, "text_completion", echoes)
+
+
+def _check_token_ids(backend: Backend, model: ModelConfig, prompts: list[list[int]]) -> None:
+    vocab = backend.vocab_size(model)
+    for i, ids in enumerate(prompts):
+        if len(ids) > backend.config.max_prompt_chars:
+            raise APIError(f"prompt {i} holds {len(ids)} tokens, more than the cap", "prompt")
+        outside = [t for t in ids if t >= vocab]
+        if outside:
+            raise APIError(
+                f"prompt {i} holds token ids outside the vocabulary [0, {vocab}): {outside[:5]}",
+                "prompt",
+            )
+
+
+def _prompt_text(backend: Backend, model: ModelConfig, params: GenerateParams) -> str:
+    if not params.prompt_token_ids:
+        return params.prompt
+    return "".join(backend.token_texts(model, params.prompt_token_ids))
 
 
 @router.post("/v1/chat/completions")
@@ -118,18 +177,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, backen
             f"{len(body.messages)} messages, more than the cap of {backend.config.max_messages}",
             "messages",
         )
-    _check_prompt_chars(backend, sum(len(m.content) for m in body.messages), "messages")
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    prompt = backend.chat_prompt(model, messages)
-    params = body.params(
-        prompt,
-        body.requested_max_tokens,
-        model.max_tokens_cap,
-        model.default_max_tokens,
-        _request_ids(request, 1)[0],
-        variant,
-    )
-    return await _respond(backend, model, body, [params], "chat.completion")
+    _check_prompt_chars(backend, sum(len(m.text) for m in body.messages), "messages")
+    prompt = backend.chat_prompt(model, [m.template_message() for m in body.messages])
+    params = _choices(request, body, model, variant, [prompt], body.requested_max_tokens)
+    return await _respond(backend, model, body, params, "chat.completion")
 
 
 @router.post("/v1/embeddings")
@@ -179,51 +230,123 @@ async def generate_post(body: GenerateRequest, request: Request, backend: Backen
         model.default_max_tokens,
         _request_ids(request, 1)[0],
         variant,
+        defaults=backend.sampling_defaults(model),
     )
     text, _ = await backend.collect(model, params)
     return {"text": text}
 
 
-async def _respond(backend: Backend, model: ModelConfig, body, params: list[GenerateParams], kind):
-    choice = chat_choice if kind == "chat.completion" else completion_choice
+async def _respond(
+    backend: Backend,
+    model: ModelConfig,
+    body: SamplingFields,
+    params: list[GenerateParams],
+    kind: str,
+    echoes: list[str] | None = None,
+):
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
     served = params[0].variant or model.id
     base = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": served}
+    echoes = echoes or [""] * len(params)
+    log_probs = _LogProbs(backend, model, kind, echoes) if params[0].return_log_probs else None
     if not body.stream:
-        results = await _gather(backend.collect(model, p) for p in params)
-        choices = [
-            choice(i, text, last.finish_reason, False) for i, (text, last) in enumerate(results)
-        ]
-        answer = {
-            **base,
-            "object": kind,
-            "choices": choices,
-            "usage": usage([r[1] for r in results]),
-        }
-        return JSONResponse(answer)
+        return await _whole(backend, model, body, params, kind, echoes, base, log_probs)
     starts = await _start_all(backend, model, params)
+    starts = [
+        await _shaped(first, rest, p, echo, body.include_stop_str_in_output)
+        for (first, rest), p, echo in zip(starts, params, echoes, strict=True)
+    ]
+    events = _events(body, starts, kind, base, log_probs)
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+class _LogProbs:
+    """Each choice's ``logprobs``, chunk by chunk, in the shape of its endpoint."""
+
+    def __init__(self, backend: Backend, model: ModelConfig, kind: str, echoes: list[str]):
+        self._token_texts = functools.partial(backend.token_texts, model)
+        self._chat = kind == "chat.completion"
+        self._offsets = [len(echo) for echo in echoes]  # completions' text_offset so far
+
+    def __call__(self, index: int, chunk: GenerationChunk) -> dict:
+        tokens = self._token_texts(chunk.token_ids)
+        if self._chat:
+            return chat_logprobs(tokens, chunk.token_log_probs)
+        shaped = completion_logprobs(tokens, chunk.token_log_probs, self._offsets[index])
+        self._offsets[index] += sum(map(len, tokens))
+        return shaped
+
+
+async def _whole(backend, model, body, params, kind, echoes, base, log_probs):
+    choice = chat_choice if kind == "chat.completion" else completion_choice
+    results = await _gather(backend.collect(model, p) for p in params)
+    choices = []
+    for i, (p, (text, last)) in enumerate(zip(params, results, strict=True)):
+        finish = last.finish_reason
+        if p.stop:
+            text, stopped = cut_text(text, p.stop, body.include_stop_str_in_output)
+            finish = "stop" if stopped else finish
+        choices.append(choice(i, echoes[i] + text, finish, False, log_probs and log_probs(i, last)))
+    answer = {**base, "object": kind, "choices": choices, "usage": usage(_lasts(results))}
+    return JSONResponse(answer)
+
+
+async def _events(body: SamplingFields, starts, kind: str, base: dict, log_probs):
+    """The SSE events of started choices: chunks as they come, the usage chunk, [DONE]."""
+    choice = chat_choice if kind == "chat.completion" else completion_choice
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
 
     def event(choices: list[dict], **extra) -> str:
         return sse({**base, "object": chunk_kind, "choices": choices, **extra})
 
-    async def events():
-        lasts = [first for first, _ in starts]
-        try:
-            if chunk_kind == "chat.completion.chunk":
-                role = {"role": "assistant", "content": ""}
-                yield event([{"index": 0, "delta": role, "finish_reason": None}])
-            async for index, chunk in merge(starts):
-                lasts[index] = chunk
-                if chunk.text or chunk.finish_reason:
-                    yield event([choice(index, chunk.text, chunk.finish_reason, True)])
-            if body.include_usage:
-                yield event([], usage=usage(lasts))
-        except APIError as error:  # mid-stream: an error event, never a cut stream
-            yield sse(error.body())
-        yield sse("[DONE]")
+    lasts = [first for first, _ in starts]
+    failure = None
+    try:
+        if chunk_kind == "chat.completion.chunk":
+            role = {"role": "assistant", "content": ""}
+            for index in range(len(starts)):
+                opening = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
+                yield event([opening])
+        async for index, chunk in merge(starts):
+            lasts[index] = chunk
+            if chunk.text or chunk.finish_reason or chunk.token_ids:
+                extra = {"usage": usage(lasts)} if body.continuous_usage else {}
+                shaped = log_probs and log_probs(index, chunk)
+                yield event([choice(index, chunk.text, chunk.finish_reason, True, shaped)], **extra)
+    except APIError as error:  # mid-stream: an error event, never a cut stream
+        failure = error
+    except Exception:
+        log.exception("stream %s failed after its first byte", base["id"])
+        failure = InternalError("internal server error; see the server log")
+    if body.include_usage:  # what was generated, also when the stream failed
+        yield event([], usage=usage(lasts))
+    if failure is not None:
+        yield sse(failure.body())
+    yield sse("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+
+def _lasts(results) -> list:
+    return [last for _, last in results]
+
+
+async def _shaped(first, rest, params: GenerateParams, echo: str, keep_stop: bool):
+    """A started choice with its stop strings cut and the echoed prompt before its text."""
+    if not (params.stop or echo):
+        return first, rest
+    stream = _chained(first, rest)
+    if params.stop:
+        stream = cut_stream(stream, params.stop, keep_stop)
+    first = await stream.__anext__()  # the chunk already received: no wait
+    return dataclasses.replace(first, text=echo + first.text), stream
+
+
+async def _chained(first, rest):
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()
 
 
 async def _gather(awaitables):

@@ -1,52 +1,78 @@
 """The OpenAI request bodies this API accepts, and their GenerateParams.
 
-``extra="forbid"``: a parameter we do not implement (``tools``,
-``response_format``, ...) is a 400 naming it, never silently dropped.
-Extensions users of this field send (top_k, repetition_penalty, min_tokens)
-are accepted.
+``extra="forbid"``: a parameter we do not implement (``tools``, ...) is a 400
+naming it, never silently dropped. vLLM's sampling extensions that clients and
+load tools send (top_k, repetition_penalty, min_tokens, ignore_eos,
+include_stop_str_in_output, stream_options.continuous_usage_stats) are accepted.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from serve.api.errors import APIError
+from serve.api.sampling import GREEDY, SamplingDefaults, resolve
 from serve.generation import GenerateParams
+
+
+def _encodable(text: str) -> str:
+    """JSON may carry a lone UTF-16 surrogate (``"\\ud800"``), which no tokenizer or
+    wire format (UTF-8) can take: refused here, naming the field."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as error:
+        raise ValueError(f"holds an unpaired surrogate at character {error.start}") from None
+    return text
+
+
+# Every text a request carries to the model or back.
+Text = Annotated[str, AfterValidator(_encodable)]
+MAX_CHOICES = 64  # prompts x n of one request: each is an engine request
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk too
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # json_object / json_schema need guided decoding, which the engines here lack.
+    type: Literal["text"]
 
 
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=0, lt=2**64)
-    user: str | None = None
+    user: Text | None = None
+    response_format: ResponseFormat | None = None
     # Extensions (vLLM / TensorRT-LLM names).
     top_k: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int | None = Field(None, ge=0)
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -56,66 +82,181 @@ class SamplingFields(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return words
 
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
     def params(
         self,
-        prompt: str,
+        prompt: str | list[int],
         max_tokens: int | None,
         cap: int,
         default: int,
         request_id: str,
         variant: str | None = None,
+        choice: int = 0,
+        defaults: SamplingDefaults = GREEDY,
     ) -> GenerateParams:
+        """The engine request of one choice; the ``choice``-th of n samples with its
+        own seed (seed + choice), so n seeded choices differ and repeat."""
         max_tokens = max_tokens or default
         if max_tokens > cap:
             raise APIError(
                 f"max_tokens {max_tokens} exceeds this server's cap of {cap}", param="max_tokens"
             )
+        sampling = resolve(
+            self.temperature, self.top_p, self.top_k, self.repetition_penalty, defaults
+        )
+        tokenized = not isinstance(prompt, str)
         return GenerateParams(
             request_id=request_id,
             variant=variant,
-            prompt=prompt,
+            prompt="" if tokenized else prompt,
+            prompt_token_ids=tuple(prompt) if tokenized else (),
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            repetition_penalty=self.repetition_penalty,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=None if self.seed is None else (self.seed + choice) % 2**64,
+            repetition_penalty=sampling.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             min_tokens=self.min_tokens,
             stop=tuple(self.stop or ()),
+            ignore_eos=self.ignore_eos,
+            return_log_probs=self.wants_log_probs,
         )
+
+    @property
+    def wants_log_probs(self) -> bool:
+        """The chosen tokens' log probabilities (the engines return no alternatives)."""
+        return False
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+
+def _only_chosen_tokens(alternatives: int | None) -> int | None:
+    if alternatives:
+        raise ValueError(
+            "the engines return the chosen token's log probability only, not "
+            f"alternatives: {alternatives} asked, the largest value supported is 0"
+        )
+    return alternatives
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]  # a list gets one choice per prompt, in order
-    logprobs: None = None  # not implemented: any value is a 400
-    echo: Literal[False] = False
+    # A list gets n choices per prompt, in order; token ids are a prompt the client
+    # tokenized itself (one list, or a list of them), taken as they are.
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
+    logprobs: int | None = Field(None, ge=0)  # 0: the chosen tokens' (no alternatives)
+    echo: bool = False  # the prompt's text before each choice's answer
+
+    @field_validator("logprobs")
+    @classmethod
+    def _chosen_only(cls, alternatives):
+        return _only_chosen_tokens(alternatives)
+
+    @model_validator(mode="after")
+    def _no_prompt_log_probs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs (the prompt's log probabilities) is not supported")
+        return self
+
+    @property
+    def wants_log_probs(self) -> bool:
+        return self.logprobs is not None
 
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, prompt):
-        if isinstance(prompt, list) and not 1 <= len(prompt) <= 32:
-            raise ValueError("a list prompt holds 1 to 32 strings (one choice each)")
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return prompt
+        if not 1 <= len(prompt) <= 32:
+            raise ValueError("a list of prompts holds 1 to 32 prompts (one choice each)")
         return prompt
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        """Each prompt: a text, or the token ids of one."""
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
+
+
+class TextPart(BaseModel):
+    """A content part: only text reaches a text model; any other ``type`` (image_url,
+    input_audio, file) is a 400 naming the part."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
-    name: str | None = None
+    # "developer" is OpenAI's name for the system role of its current models.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
+    name: Text | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        # Before the union is tried, so the client reads this, not two union errors.
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(
+                        f"content part {i} has type {kind!r}: only text parts are "
+                        "supported (the model reads text only)"
+                    )
+        return content
+
+    @property
+    def text(self) -> str:
+        """The content as one text (parts joined by newlines, as vLLM does)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+    def template_message(self) -> dict:
+        """What the chat template reads: plain text, developer as system."""
+        role = "system" if self.role == "developer" else self.role
+        message = {"role": role, "content": self.text}
+        return message | ({"name": self.name} if self.name else {})
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Literal[False] = False  # not implemented
-    top_logprobs: None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _chosen_only(cls, alternatives):
+        return _only_chosen_tokens(alternatives)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return self
+
+    @property
+    def wants_log_probs(self) -> bool:
+        return self.logprobs
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -125,11 +266,11 @@ class ChatCompletionRequest(SamplingFields):
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
-    input: str | list[str]  # token-id inputs are not supported: a 400 naming `input`
+    model: Text
+    input: Text | list[Text]  # token-id inputs are not supported: a 400 naming `input`
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: None = None  # not supported (the model has one size)
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("input")
     @classmethod
@@ -148,5 +289,5 @@ class GenerateRequest(BaseModel):
     """The body of ``POST /generate``: a prompt and an optional token budget."""
 
     model_config = ConfigDict(extra="forbid")
-    prompt: str
+    prompt: Text
     max_new_tokens: int | None = Field(None, ge=1)

@@ -14,13 +14,15 @@ full deployment (``max_queued_requests``) is a 503 at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 
 import numpy as np
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from serve.api.auth import load_api_keys
@@ -28,6 +30,7 @@ from serve.api.backend import Embeddings
 from serve.api.chat_template import render_chat_prompt
 from serve.api.errors import APIError, InternalError, Overloaded
 from serve.api.http import create_app
+from serve.api.sampling import SamplingDefaults
 from serve.config import AppConfig, ModelConfig
 from serve.generation import GenerateParams, GenerationChunk, coalesce
 from serve.metrics import MetricsPublisher, RequestMetrics, replica_labels
@@ -39,6 +42,10 @@ log = logging.getLogger("ray.serve")
 # How long /health and /metrics wait for Serve's controller or the metrics collector
 # (neither queues behind generation traffic; a miss means it is down or restarting).
 CONTROL_TIMEOUT_S = 5.0
+
+# How the engines word a prompt that does not fit the model's context (ours:
+# tritonllm.engine.request; TensorRT-LLM's: "... exceeds maximum input length").
+CONTEXT_EXCEEDED = re.compile(r"exceeds the maximum sequence length|exceeds maximum input length")
 
 
 class ReplicaLost(Overloaded):
@@ -60,13 +67,22 @@ def _translate(error: Exception) -> Exception:
 
 
 def as_api_error(error: BaseException) -> APIError | None:
-    """The client's answer for a failure behind the handle (None: not ours to map)."""
+    """The client's answer for a failure behind the handle (None: not ours to map).
+
+    A replica's exception crosses Ray as a RayTaskError whose text is the remote
+    traceback (file paths, pid, node address, actor id): the client gets only the
+    replica's own message, and the detail stays in the replica's log."""
+    if isinstance(error, RayTaskError) and isinstance(error.cause, GenerationError):
+        error = error.cause
     if isinstance(error, GenerationError):
+        message = str(error)
         if error.kind == GenerationError.INVALID:
-            return APIError(str(error))
+            if CONTEXT_EXCEEDED.search(message):
+                return APIError(message, code="context_length_exceeded")
+            return APIError(message)
         if error.kind == GenerationError.UNAVAILABLE:
-            return ReplicaLost(str(error))
-        return InternalError(str(error))
+            return ReplicaLost(message)
+        return InternalError(message)
     if isinstance(error, BackPressureError):
         return Overloaded("the model's replicas are all busy and their queue is full; retry")
     if isinstance(error, (RayActorError, ActorUnavailableError)):
@@ -95,11 +111,13 @@ class OpenAIIngress:
 
             self._publisher = MetricsPublisher(metrics_collector, text, replica_labels())
             self._publisher.start()
-        self.tokenizers = {
-            m.id: load_tokenizer(str(repository.tokenizer_dir(m.triton.repository_path())))
+        checkpoints = {
+            m.id: repository.tokenizer_dir(m.triton.repository_path())
             for m in config.models
             if m.task == "generate"
         }
+        self.tokenizers = {i: load_tokenizer(str(d)) for i, d in checkpoints.items()}
+        self._sampling = {i: SamplingDefaults.from_checkpoint(d) for i, d in checkpoints.items()}
         self._api_keys = load_api_keys(config.api_keys.env, config.api_keys.file)
         log.info("API keys %s", "required" if self._api_keys else "not configured (open API)")
 
@@ -113,6 +131,16 @@ class OpenAIIngress:
 
     def chat_prompt(self, model: ModelConfig, messages: list[dict]) -> str:
         return render_chat_prompt(self.tokenizers[model.id], messages)
+
+    def vocab_size(self, model: ModelConfig) -> int:
+        return len(self.tokenizers[model.id])
+
+    def token_texts(self, model: ModelConfig, token_ids: tuple[int, ...]) -> list[str]:
+        tokenizer = self.tokenizers[model.id]
+        return [tokenizer.decode([token]) for token in token_ids]
+
+    def sampling_defaults(self, model: ModelConfig) -> SamplingDefaults:
+        return self._sampling[model.id]
 
     # -- generation ----------------------------------------------------------------------
 
@@ -142,10 +170,13 @@ class OpenAIIngress:
             return await attempt(model, params)
 
     async def _collect(self, model: ModelConfig, params: GenerateParams):
-        text = []
+        text, token_ids, log_probs = [], [], []
         async for chunk in self._stream(model, params):
             text.append(chunk.text)
-        return "".join(text), chunk
+            token_ids += chunk.token_ids
+            log_probs += chunk.token_log_probs
+        whole = {"token_ids": tuple(token_ids), "token_log_probs": tuple(log_probs)}
+        return "".join(text), dataclasses.replace(chunk, **whole)
 
     async def _stream(
         self, model: ModelConfig, params: GenerateParams
@@ -156,7 +187,7 @@ class OpenAIIngress:
             stream=True, multiplexed_model_id=params.variant or ""
         )
         metrics = self.metrics.model(params.variant or model.id)
-        responses = None
+        responses = chunk = None
         last = time.monotonic()
         first, finished = True, False
         metrics.started()
@@ -171,13 +202,13 @@ class OpenAIIngress:
                     else:
                         metrics.next_text(now - last)
                     first, last = False, now
-                if chunk.finish_reason:
-                    metrics.tokens(chunk.num_input_tokens, chunk.num_output_tokens)
                 yield chunk
             finished = True
         except Exception as error:
             raise _translate(error) from None
         finally:
+            if chunk is not None:  # the prompt and what was generated, also if cancelled
+                metrics.tokens(chunk.num_input_tokens, chunk.num_output_tokens)
             metrics.ended(had_text=not first)
             if responses is not None and not finished:
                 _cancel(responses)

@@ -7,6 +7,8 @@ tensors (``tritonllm.contract``) lives here and nowhere above the replica.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from serve.generation import GenerateParams, GenerationChunk
@@ -40,6 +42,10 @@ def ensemble_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
         if value is not None:
             spec = contract.tensor(contract.ENSEMBLE, name)
             values[name] = np.array([[value]], dtype=spec.numpy_dtype)
+    if params.prompt_token_ids:
+        values["input_ids"] = np.array([params.prompt_token_ids], dtype=np.int32)
+    if params.ignore_eos:  # TensorRT-LLM's "no end id"
+        values["end_id"] = np.array([[-1]], dtype=np.int32)
     if params.stop:
         values["stop_words"] = np.array([[w.encode() for w in params.stop]], dtype=object)
     return values
@@ -49,7 +55,9 @@ def ensemble_outputs(params: GenerateParams) -> tuple[str, ...]:
     """The ensemble outputs a chunk is made of: asking for no others spares Triton and
     the replica a serialization and a parse of each per response."""
     counts = ("text_output", "num_input_tokens", "num_output_tokens")
-    return (*counts, "cum_log_probs") if params.return_log_probs else counts
+    if params.return_log_probs:
+        return (*counts, "cum_log_probs", "output_ids", "output_log_probs")
+    return counts
 
 
 def stop_inputs() -> dict[str, np.ndarray]:
@@ -69,12 +77,21 @@ def chunk_from_outputs(outputs: dict[str, np.ndarray], params: GenerateParams) -
         return outputs[name].reshape(-1)[0] if name in outputs else None
 
     text = scalar("text_output")
-    cum = scalar("cum_log_probs")
-    return GenerationChunk(
+    chunk = GenerationChunk(
         text=text.decode() if isinstance(text, bytes) else str(text or ""),
         num_input_tokens=int(scalar("num_input_tokens") or 0),
         num_output_tokens=int(scalar("num_output_tokens") or 0),
-        cum_log_prob=float(cum) if params.return_log_probs and cum is not None else None,
+    )
+    if not params.return_log_probs:
+        return chunk
+    cum = scalar("cum_log_probs")
+    ids = outputs.get("output_ids", np.empty(0)).reshape(-1)  # [1, beam 1, new tokens]
+    log_probs = outputs.get("output_log_probs", np.empty(0)).reshape(-1)[: len(ids)]
+    return dataclasses.replace(
+        chunk,
+        cum_log_prob=None if cum is None else float(cum),
+        token_ids=tuple(ids.tolist()),
+        token_log_probs=tuple(log_probs.tolist()),
     )
 
 

@@ -144,7 +144,8 @@ def test_generate_get_and_post_match_completions(app_url, client):
     [
         ({"model": "nope", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "prompt": "x", "tools": []}, 400, "tools"),
-        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 65}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 1}, 400, "logprobs"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "temperature": 5}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
@@ -169,11 +170,16 @@ def test_an_oversized_body_is_a_413_and_the_app_serves_on(app_url, client):
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
 
 
-def test_an_over_long_prompt_is_a_400(app_url):
+def test_an_over_long_prompt_is_a_400_context_length_exceeded_without_internals(app_url):
     body = {"model": MODEL, "prompt": "The cat sat. " * 200, "max_tokens": 8}
-    response = httpx.post(f"{app_url}/v1/completions", json=body)
-    assert response.status_code == 400
-    assert "maximum sequence length" in response.json()["error"]["message"]
+    for stream in (False, True):
+        response = httpx.post(f"{app_url}/v1/completions", json={**body, "stream": stream})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert "maximum sequence length of" in error["message"]
+        for internal in ("Traceback", ".py", "pid", "actor", "127.0.0.1"):
+            assert internal not in error["message"], error["message"]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_the_engine(app_url, client):
@@ -243,3 +249,197 @@ def test_bad_embedding_requests_get_error_objects(app_url, client, body, status,
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
     assert client.embeddings.create(model=EMBEDDINGS, input="still serving").data
+
+
+# -- OpenAI conformance: the shapes current clients send, the SDK's own types -----------
+
+# On the default model the first generated token for this prompt is end-of-sequence.
+ENDS_AT_ONCE = "What is the capital of France?"
+
+
+def post(app_url: str, path: str, body: dict) -> httpx.Response:
+    response = httpx.post(f"{app_url}{path}", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def sse_events(app_url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{app_url}{path}", json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_every_answer_parses_with_the_openai_sdks_own_types(app_url):
+    from openai.types import Completion, CreateEmbeddingResponse, Model
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "n": 2, "seed": 1}
+    usage = {"stream_options": {"include_usage": True}}
+    ChatCompletion.model_validate(post(app_url, "/v1/chat/completions", chat).json())
+    for event in sse_events(app_url, "/v1/chat/completions", {**chat, **usage}):
+        ChatCompletionChunk.model_validate(event)
+    text = {"model": MODEL, "prompt": ["The cat", ENDS_AT_ONCE], "max_tokens": 8, "echo": True}
+    Completion.model_validate(post(app_url, "/v1/completions", text).json())
+    for event in sse_events(app_url, "/v1/completions", {**text, **usage}):
+        # The SDK reads completion chunks as Completion objects without validating
+        # them: finish_reason is null until a choice's last chunk (as OpenAI sends it).
+        finished = [c for c in event["choices"] if c["finish_reason"]]
+        Completion.model_validate({**event, "choices": finished})
+    Model.model_validate(httpx.get(f"{app_url}/v1/models/{MODEL}").json())
+    body = {"model": EMBEDDINGS, "input": ["a cat"], "encoding_format": "float"}
+    CreateEmbeddingResponse.model_validate(post(app_url, "/v1/embeddings", body).json())
+
+
+def test_usage_counts_the_prompt_when_the_first_token_ends_the_answer(client):
+    whole = client.completions.create(model=MODEL, prompt=ENDS_AT_ONCE, max_tokens=16)
+    assert whole.choices[0].text == "" and whole.choices[0].finish_reason == "stop"
+    assert whole.usage.prompt_tokens > 5
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=ENDS_AT_ONCE,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    # ignore_eos (vLLM's extension): the same prompt now runs to max_tokens.
+    forced = client.completions.create(
+        model=MODEL, prompt=ENDS_AT_ONCE, max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    assert forced.usage.completion_tokens == 5 and forced.choices[0].finish_reason == "length"
+
+
+def test_stop_strings_are_cut_from_whole_and_streamed_answers(client):
+    free = client.completions.create(model=MODEL, prompt="The cat", max_tokens=24, temperature=0)
+    text = free.choices[0].text
+    stop = text[len(text) // 2 :][:3]  # three characters from the middle of the answer
+    expected = text[: text.index(stop)]
+    cut = client.completions.create(
+        model=MODEL, prompt="The cat", max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (expected, "stop")
+    streamed = client.completions.create(
+        model=MODEL, prompt="The cat", max_tokens=24, temperature=0, stop=[stop], stream=True
+    )
+    pieces = [(c.choices[0].text, c.choices[0].finish_reason) for c in streamed if c.choices]
+    assert "".join(p for p, _ in pieces) == expected and pieces[-1][1] == "stop"
+
+
+def test_n_seeded_choices_differ_and_repeat(client):
+    def sample():
+        answer = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0, seed=11, n=3
+        )
+        return [c.message.content for c in answer.choices]
+
+    first = sample()
+    assert len(set(first)) > 1 and sample() == first
+
+
+def test_content_parts_and_the_developer_role_read_as_text_and_system(client):
+    def answer(messages) -> str:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0
+        )
+        return reply.choices[0].message.content
+
+    as_text = answer([{"role": "system", "content": "Be brief."}, *MESSAGES])
+    as_parts = answer(
+        [
+            {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": [{"type": "text", "text": MESSAGES[0]["content"]}]},
+        ]
+    )
+    assert as_parts == as_text
+
+
+def test_langchain_chat_openai_invokes_streams_and_batches(app_url, client):
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        model=MODEL, base_url=f"{app_url}/v1", api_key="unused", temperature=0, max_tokens=12
+    )
+    expected = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0
+    )
+    expected = expected.choices[0].message.content
+    question = MESSAGES[0]["content"]
+    assert chat.invoke(question).content == expected
+    assert "".join(part.content for part in chat.stream(question)) == expected
+    assert [m.content for m in chat.batch([question, question])] == [expected, expected]
+
+
+def test_logprobs_of_the_chosen_tokens_whole_and_streamed(client):
+    asked = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True)
+    whole = client.chat.completions.create(**asked)
+    tokens = whole.choices[0].logprobs.content
+    assert "".join(t.token for t in tokens) == whole.choices[0].message.content
+    assert len(tokens) == whole.usage.completion_tokens and all(t.logprob <= 0 for t in tokens)
+    streamed = [
+        t
+        for chunk in client.chat.completions.create(**asked, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for t in chunk.choices[0].logprobs.content
+    ]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [
+        (t.token, round(t.logprob, 4)) for t in tokens
+    ]
+    completion = client.completions.create(
+        model=MODEL, prompt="The cat", max_tokens=8, temperature=0, logprobs=0
+    )
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    assert logprobs.text_offset[0] == 0 and len(logprobs.token_logprobs) == 8
+
+
+def test_a_token_id_prompt_answers_as_its_text_does(app_url, client, checkpoint_dir):
+    from tritonllm.tokenization import load_tokenizer
+
+    ids = load_tokenizer(str(checkpoint_dir)).encode("The cat")  # with BOS, as preprocessing
+    as_text = client.completions.create(model=MODEL, prompt="The cat", max_tokens=10)
+    as_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=10)
+    assert as_ids.choices[0].text == as_text.choices[0].text
+    assert as_ids.usage.prompt_tokens == as_text.usage.prompt_tokens == len(ids)
+    both = client.completions.create(model=MODEL, prompt=[ids, ids[:2]], max_tokens=4)
+    assert both.choices[0].text == as_text.choices[0].text[: len(both.choices[0].text)]
+    response = httpx.post(f"{app_url}/v1/completions", json={"model": MODEL, "prompt": [1, 10**6]})
+    assert response.status_code == 400 and "vocabulary" in response.json()["error"]["message"]
+
+
+# NVIDIA AIPerf, as users load-test an OpenAI endpoint: its own virtualenv (it pins
+# versions of pandas, rich and prometheus-client of its own), made once per machine.
+AIPERF = "aiperf==0.13.0"
+AIPERF_VENV = ROOT / "build" / "aiperf-venv"
+
+
+@pytest.fixture(scope="module")
+def aiperf() -> Path:
+    binary = AIPERF_VENV / "bin" / "aiperf"
+    if not binary.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(AIPERF_VENV)], check=True)
+        pip = [str(AIPERF_VENV / "bin" / "python"), "-m", "pip", "install", "--quiet", AIPERF]
+        subprocess.run(pip, check=True, timeout=900)
+    return binary
+
+
+def test_an_aiperf_run_completes_without_errors(app_url, aiperf, checkpoint_dir, tmp_path):
+    command = [
+        str(aiperf), "profile", "--model", MODEL, "--url", app_url,
+        "--endpoint-type", "chat", "--streaming", "--tokenizer", str(checkpoint_dir),
+        "--request-count", "16", "--concurrency", "4", "--isl", "32", "--osl", "16",
+        "--extra-inputs", "ignore_eos:true", "--artifact-dir", str(tmp_path),
+        "--ui-type", "none",
+    ]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "profile_export_aiperf.json").read_text())
+    assert report["is_complete"] and not report["error_summary"]
+    assert report["request_count"]["avg"] == 16 and report["time_to_first_token"]["count"] == 16
+    # The server's own usage: 16 tokens each (ignore_eos), prompts counted.
+    completion = report["usage_completion_tokens"]
+    assert completion["min"] == completion["max"] == 16
+    assert report["usage_prompt_tokens"]["min"] > 0

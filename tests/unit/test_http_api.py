@@ -8,6 +8,8 @@ tests/integration/test_serve_app.py and test_production.py.
 from __future__ import annotations
 
 import base64
+import dataclasses
+import functools
 import json
 import logging
 
@@ -20,6 +22,7 @@ from serve.api.auth import load_api_keys
 from serve.api.backend import Embeddings
 from serve.api.errors import APIError, Overloaded
 from serve.api.http import create_app
+from serve.api.sampling import GREEDY
 from serve.config import AppConfig
 from serve.generation import GenerationChunk
 from serve.triton.requests import final_chunk
@@ -44,6 +47,7 @@ class FakeBackend:
     config = CONFIG
 
     def __init__(self, fail_after: int | None = None, error: Exception | None = None):
+        self.defaults = GREEDY  # what the checkpoint's generation_config.json asks for
         self.fail_after = fail_after  # raise `error` after this many chunks
         self.error = error
         self.params = []
@@ -52,14 +56,19 @@ class FakeBackend:
     def chat_prompt(self, model, messages):
         return " ".join(m["content"] for m in messages)
 
+    def sampling_defaults(self, model):
+        return self.defaults
+
     async def _chunks(self, params):
         self.params.append(params)
-        prompt = params.prompt.split()
+        prompt = params.prompt.split() or [f"t{i}" for i in params.prompt_token_ids]
         last = None
         for i, word in enumerate(prompt[: params.max_tokens]):
             if self.fail_after is not None and i >= self.fail_after:
                 raise self.error
             last = GenerationChunk(" " + word, len(prompt), i + 1)
+            if params.return_log_probs:  # token i of the answer has id i, log prob -i
+                last = dataclasses.replace(last, token_ids=(i,), token_log_probs=(-float(i),))
             yield last
         yield final_chunk(last, params)
 
@@ -68,8 +77,14 @@ class FakeBackend:
         return await stream.__anext__(), stream
 
     async def collect(self, model, params):
-        chunks = [c async for c in self._chunks(params)]
-        return "".join(c.text for c in chunks), chunks[-1]
+        whole = functools.reduce(GenerationChunk.merged, [c async for c in self._chunks(params)])
+        return whole.text, whole
+
+    def token_texts(self, model, token_ids):
+        return [f"<{i}>" for i in token_ids]
+
+    def vocab_size(self, model):
+        return 100
 
     async def embed(self, model, texts):
         vectors = np.array([[len(t), 1.5, -2.0] for t in texts], dtype=np.float32)

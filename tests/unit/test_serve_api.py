@@ -51,9 +51,12 @@ def test_the_tokenizer_comes_from_the_preprocessing_config(built_repository, che
 @pytest.mark.parametrize(
     "extra",
     [
-        {"n": 2},
+        {"n": 65},
         {"tools": []},
         {"response_format": {"type": "json_object"}},
+        {"stream_options": {"include_usage": True}},  # without stream: true
+        {"prompt": "\ud800"},
+        {"stop": "a\udfff"},
         {"logprobs": 2},
         {"stop": ["a", "b", "c", "d", "e"]},
         {"stop": [""]},

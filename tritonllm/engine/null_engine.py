@@ -83,7 +83,8 @@ class ScriptedSampler:
     def __init__(self, script: tuple[int, ...], request: GenerationRequest, answer_tokens: int):
         self._script = script
         self._offset = zlib.crc32(str(request.input_ids).encode()) % len(script)
-        self._end_id = request.end_id
+        end_id = request.end_id  # negative: no end id (ignore_eos)
+        self._end_id = end_id if end_id is not None and end_id >= 0 else None
         self._end_at = max(answer_tokens, request.sampling.min_tokens) if answer_tokens else 0
 
     def __call__(self, logits, history: list[int], generated: int) -> tuple[int, float]:

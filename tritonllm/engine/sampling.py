@@ -66,7 +66,8 @@ class TokenSampler:
 
     def __init__(self, params: SamplingParams, end_id: int | None):
         self.params = params
-        self._end_id = end_id
+        # A negative end id (-1, TensorRT-LLM's "no end id": ignore_eos) ends nothing.
+        self._end_id = end_id if end_id is not None and end_id >= 0 else None
         self._processors = _build_processors(params)
         self._reads_history = bool(
             params.repetition_penalty != 1.0

@@ -10,6 +10,7 @@ from tritonllm.triton_errors import triton_error
 _INPUTS = {
     "QUERY": "query",
     "REQUEST_OUTPUT_LEN": "request_output_len",
+    "INPUT_IDS": "prompt_ids",
     "BAD_WORDS_DICT": "bad_words",
     "STOP_WORDS_DICT": "stop_words",
     "END_ID": "end_id",

@@ -1,0 +1,81 @@
+"""Stop strings cut from the answer, as OpenAI returns it.
+
+The engines stop on a stop word's tokens and, as TensorRT-LLM does, keep it in the
+output; OpenAI's API and vLLM return the text before it. Matching on the text here
+also catches a stop string the model spelled with other tokens than the stop word's
+own tokenization (the engine then does not stop by itself: the caller closes the
+stream). Written by hand: this is the API's own text rule, no library has it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+
+from serve.generation import GenerationChunk
+
+
+class StopStringCutter:
+    """Feeds an answer's text through, releasing only what cannot become a stop string.
+
+    A streamed tail that may still be the start of a stop string is held back until the
+    next text decides; nothing after a stop string is ever released.
+    """
+
+    def __init__(self, stops: tuple[str, ...], include_stop: bool = False):
+        self._stops = stops
+        self._include_stop = include_stop
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """The part of ``held + text`` that is final; sets ``stopped`` at a stop string."""
+        buffer = self._held + text
+        found = [(buffer.find(s), s) for s in self._stops]
+        found = [(at, s) for at, s in found if at >= 0]
+        if found:
+            at, stop = min(found)
+            self.stopped, self._held = True, ""
+            return buffer[: at + len(stop)] if self._include_stop else buffer[:at]
+        keep = self._undecided_tail(buffer)
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep]
+
+    def flush(self) -> str:
+        """The held tail, once the answer has ended without completing a stop string."""
+        held, self._held = self._held, ""
+        return held
+
+    def _undecided_tail(self, buffer: str) -> int:
+        """Length of the longest suffix of ``buffer`` that starts some stop string."""
+        for length in range(min(len(buffer), max(map(len, self._stops)) - 1), 0, -1):
+            tail = buffer[-length:]
+            if any(s.startswith(tail) for s in self._stops):
+                return length
+        return 0
+
+
+def cut_text(text: str, stops: tuple[str, ...], include_stop: bool) -> tuple[str, bool]:
+    """A whole answer cut at its first stop string, and whether one was found."""
+    cutter = StopStringCutter(stops, include_stop)
+    kept = cutter.feed(text)
+    return (kept, True) if cutter.stopped else (kept + cutter.flush(), False)
+
+
+async def cut_stream(
+    chunks: AsyncIterator[GenerationChunk], stops: tuple[str, ...], include_stop: bool
+) -> AsyncIterator[GenerationChunk]:
+    """``chunks`` with their text cut at the first stop string, which ends the answer
+    (finish_reason "stop"); closing this closes ``chunks`` (the engine stops)."""
+    cutter = StopStringCutter(stops, include_stop)
+    try:
+        async for chunk in chunks:
+            text = cutter.feed(chunk.text)
+            if cutter.stopped:
+                yield dataclasses.replace(chunk, text=text, finish_reason="stop")
+                return
+            if chunk.finish_reason:
+                text += cutter.flush()
+            yield dataclasses.replace(chunk, text=text)
+    finally:
+        await chunks.aclose()
