@@ -77,6 +77,13 @@ def as_api_error(error: BaseException) -> APIError | None:
     return None
 
 
+def _tokenizer_dir(model: ModelConfig):
+    """The tokenizer (and chat template) the model's engine itself uses."""
+    if model.engine == "vllm":
+        return model.vllm.checkpoint_path()
+    return repository.tokenizer_dir(model.triton.repository_path())
+
+
 @serve.ingress()  # the app is built in the replica, by __serve_build_asgi_app__
 class OpenAIIngress:
     """Implements :class:`serve.api.backend.Backend` for the routes."""
@@ -88,7 +95,7 @@ class OpenAIIngress:
         self.config = config
         self.metrics = RequestMetrics()
         self.tokenizers = {
-            m.id: load_tokenizer(str(repository.tokenizer_dir(m.triton.repository_path())))
+            m.id: load_tokenizer(str(_tokenizer_dir(m)))
             for m in config.models
             if m.task == "generate"
         }
