@@ -27,6 +27,7 @@ from typing import Any
 from ray.serve.llm import LLMConfig
 from ray.serve.llm.deployment import LLMServer
 from vllm import SamplingParams
+from vllm.exceptions import VLLMClientError
 from vllm.sampling_params import RequestOutputKind
 
 from serve.generation import GenerateParams, GenerationChunk, coalesce
@@ -72,7 +73,9 @@ class VLLMServer(LLMServer):
                     cum_log_prob=completion.cumulative_logprob,
                     finish_reason=reason if output.finished else None,
                 )
-        except ValueError as error:  # vLLM's own validation (e.g. a prompt past max_model_len)
+        except (ValueError, VLLMClientError) as error:
+            # vLLM's own validation (a prompt past max_model_len: VLLMValidationError), the
+            # errors Ray Serve LLM's VLLMEngine also answers as the client's.
             raise GenerationError(str(error), GenerationError.INVALID) from None
         finally:
             # Closing the generator early (the client went away) aborts the request in
