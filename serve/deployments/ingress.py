@@ -44,8 +44,12 @@ log = logging.getLogger("ray.serve")
 CONTROL_TIMEOUT_S = 5.0
 
 # How the engines word a prompt that does not fit the model's context (ours:
-# tritonllm.engine.request; TensorRT-LLM's: "... exceeds maximum input length").
-CONTEXT_EXCEEDED = re.compile(r"exceeds the maximum sequence length|exceeds maximum input length")
+# tritonllm.engine.request; TensorRT-LLM's: "... exceeds maximum input length"; vLLM's:
+# "... is longer than the maximum model length" / "maximum context length is").
+CONTEXT_EXCEEDED = re.compile(
+    r"exceeds the maximum sequence length|exceeds maximum input length"
+    r"|longer than the maximum model length|maximum context length is"
+)
 
 
 class ReplicaLost(Overloaded):
@@ -92,6 +96,13 @@ def as_api_error(error: BaseException) -> APIError | None:
     return None
 
 
+def _tokenizer_dir(model: ModelConfig):
+    """The tokenizer (and chat template) the model's engine itself uses."""
+    if model.engine == "vllm":
+        return model.vllm.checkpoint_path()
+    return repository.tokenizer_dir(model.triton.repository_path())
+
+
 @serve.ingress()  # the app is built in the replica, by __serve_build_asgi_app__
 class OpenAIIngress:
     """Implements :class:`serve.api.backend.Backend` for the routes."""
@@ -111,11 +122,7 @@ class OpenAIIngress:
 
             self._publisher = MetricsPublisher(metrics_collector, text, replica_labels())
             self._publisher.start()
-        checkpoints = {
-            m.id: repository.tokenizer_dir(m.triton.repository_path())
-            for m in config.models
-            if m.task == "generate"
-        }
+        checkpoints = {m.id: _tokenizer_dir(m) for m in config.models if m.task == "generate"}
         self.tokenizers = {i: load_tokenizer(str(d)) for i, d in checkpoints.items()}
         self._sampling = {i: SamplingDefaults.from_checkpoint(d) for i, d in checkpoints.items()}
         self._api_keys = load_api_keys(config.api_keys.env, config.api_keys.file)

@@ -89,6 +89,17 @@ class Load:
         return [r for t, r in self.results if t >= since]
 
 
+def assert_survived(load: Load, recovered_at: float) -> None:
+    """Every request of ``load`` answered or refused retryably (none hung), and only
+    answers once the replacement replica has run for 2 s."""
+    outcomes = load.responses()
+    assert not [r for r in outcomes if isinstance(r, Exception)], "a request failed or hung"
+    for response in outcomes:
+        assert_ok_or_retryable(response)
+    after = [r.status_code for r in load.responses(since=recovered_at + 2)]
+    assert after and set(after) == {200}, after
+
+
 def wait_for(condition, timeout_s: float, what: str, interval_s: float = 1.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -331,12 +342,7 @@ def test_a_killed_triton_is_replaced_and_nothing_hangs(cluster, built_repository
         wait_for(replaced, 120, "the replica replaced")
         recovered_at = time.monotonic()
         time.sleep(5)
-    outcomes = load.responses()
-    assert not [r for r in outcomes if isinstance(r, Exception)], "a request failed or hung"
-    for response in outcomes:
-        assert_ok_or_retryable(response)
-    after = [r.status_code for r in load.responses(since=recovered_at + 2)]
-    assert after and set(after) == {200}, after
+    assert_survived(load, recovered_at)
     assert recovered_at - killed_at < 120
     if long_stream is not None:  # its replica's Triton died mid-answer
         events = long_stream.result(timeout=120)

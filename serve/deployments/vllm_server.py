@@ -1,0 +1,101 @@
+"""The vLLM replica: Ray Serve LLM's own ``LLMServer``, speaking our replica interface.
+
+This module runs only in the vLLM environment (``make vllm-env``: vLLM and
+``ray.serve.llm`` beside this package installed without its dependencies); the
+project's environment never imports it (vLLM's numpy and protobuf floors conflict with
+Triton's client there). :mod:`serve.vllm_deployment` names it by import path.
+
+Why a subclass with a ``generate`` method, and not the ingress calling LLMServer's
+``completions``: the ingress cannot unpickle vLLM's pydantic request and response
+types (no vLLM in its environment), and the OpenAI layer is already ours (chat
+template, validation, SSE, errors, metrics). So this replica takes the same
+``GenerateParams`` and streams the same ``GenerationChunk`` as a Triton replica, and
+the ingress treats both alike. Everything else is LLMServer's: the engine it builds
+and starts from the ``LLMConfig``, its placement bundles, health check, shutdown and
+LoRA multiplexing. A request goes straight to that engine's ``AsyncLLM.generate``
+(vLLM's engine API, the call vLLM's own OpenAI server makes after its HTTP layer),
+with deltas as vLLM produces them: no OpenAI JSON is encoded here only to be parsed
+again in the ingress.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.serve.llm import LLMConfig
+from ray.serve.llm.deployment import LLMServer
+from vllm import SamplingParams
+from vllm.exceptions import VLLMClientError
+from vllm.sampling_params import RequestOutputKind
+
+from serve.generation import GenerateParams, GenerationChunk, coalesce
+from serve.triton.host import GenerationError
+from serve.vllm_params import sampling_kwargs
+
+log = logging.getLogger("ray.serve")
+
+
+class VLLMServer(LLMServer):
+    """``LLMServer`` plus the replica interface of :class:`TritonReplica`
+    (``generate``); built from a plain ``LLMConfig`` dict, because the
+    process that builds the application cannot import ``ray.serve.llm``."""
+
+    async def __init__(self, llm_config: dict[str, Any], stream_interval_ms: float = 0):
+        self._stream_interval_s = stream_interval_ms / 1000
+        await super().__init__(LLMConfig.model_validate(llm_config))
+
+    async def generate(self, params: GenerateParams) -> AsyncIterator[GenerationChunk]:
+        # As a Triton replica's: what vLLM produces while Ray's hop is busy leaves as one.
+        async for chunk in coalesce(self._generate(params), self._stream_interval_s):
+            yield chunk
+
+    async def _generate(self, params: GenerateParams) -> AsyncIterator[GenerationChunk]:
+        sampling = SamplingParams(**sampling_kwargs(params), output_kind=RequestOutputKind.DELTA)
+        # A prompt the client tokenized itself goes in as its ids, as vLLM takes them.
+        prompt = (
+            {"prompt_token_ids": list(params.prompt_token_ids)}
+            if params.prompt_token_ids
+            else params.prompt
+        )
+        outputs = self.engine._engine_client.generate(prompt, sampling, params.request_id)
+        generated = 0
+        try:
+            async for output in outputs:
+                completion = output.outputs[0]
+                generated += len(completion.token_ids)
+                reason = completion.finish_reason
+                if reason == "abort":
+                    raise GenerationError("vLLM aborted the request", GenerationError.UNAVAILABLE)
+                if reason == "stop" and completion.stop_reason is None:
+                    # vLLM counts the end-of-sequence token it stopped at; TensorRT-LLM's
+                    # sequence_length (and so the Triton path's usage) does not.
+                    generated -= 1
+                yield GenerationChunk(
+                    text=completion.text,
+                    num_input_tokens=len(output.prompt_token_ids or ()),
+                    num_output_tokens=generated,
+                    cum_log_prob=completion.cumulative_logprob,
+                    finish_reason=reason if output.finished else None,
+                    **_chosen_log_probs(completion, params),
+                )
+        except (ValueError, VLLMClientError) as error:
+            # vLLM's own validation (a prompt past max_model_len: VLLMValidationError), the
+            # errors Ray Serve LLM's VLLMEngine also answers as the client's.
+            raise GenerationError(str(error), GenerationError.INVALID) from None
+        finally:
+            # Closing the generator early (the client went away) aborts the request in
+            # vLLM (AsyncLLM.generate aborts on GeneratorExit/cancellation).
+            await outputs.aclose()
+
+
+def _chosen_log_probs(completion, params: GenerateParams) -> dict:
+    """The chunk's tokens and each one's log probability, when the request asked
+    (vLLM returns, per token, a dict of the chosen and top tokens' Logprob)."""
+    if not params.return_log_probs or completion.logprobs is None:
+        return {}
+    ids = tuple(completion.token_ids)
+    steps = zip(ids, completion.logprobs, strict=True)
+    values = tuple(step[token].logprob for token, step in steps)
+    return {"token_ids": ids, "token_log_probs": values}
