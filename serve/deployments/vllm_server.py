@@ -68,7 +68,8 @@ class VLLMServer(LLMServer):
                 reason = completion.finish_reason
                 if reason == "abort":
                     raise GenerationError("vLLM aborted the request", GenerationError.UNAVAILABLE)
-                if reason == "stop" and completion.stop_reason is None:
+                ended_by_eos = reason == "stop" and completion.stop_reason is None
+                if ended_by_eos:
                     # vLLM counts the end-of-sequence token it stopped at; TensorRT-LLM's
                     # sequence_length (and so the Triton path's usage) does not.
                     generated -= 1
@@ -78,7 +79,7 @@ class VLLMServer(LLMServer):
                     num_output_tokens=generated,
                     cum_log_prob=completion.cumulative_logprob,
                     finish_reason=reason if output.finished else None,
-                    **_chosen_log_probs(completion, params),
+                    **_chosen_log_probs(completion, params, ended_by_eos),
                 )
         except (ValueError, VLLMClientError) as error:
             # vLLM's own validation (a prompt past max_model_len: VLLMValidationError), the
@@ -90,12 +91,16 @@ class VLLMServer(LLMServer):
             await outputs.aclose()
 
 
-def _chosen_log_probs(completion, params: GenerateParams) -> dict:
+def _chosen_log_probs(completion, params: GenerateParams, ended_by_eos: bool) -> dict:
     """The chunk's tokens and each one's log probability, when the request asked
-    (vLLM returns, per token, a dict of the chosen and top tokens' Logprob)."""
+    (vLLM returns, per token, a dict of the chosen and top tokens' Logprob); without
+    the end-of-sequence token, which the Triton path does not return either."""
     if not params.return_log_probs or completion.logprobs is None:
         return {}
-    ids = tuple(completion.token_ids)
-    steps = zip(ids, completion.logprobs, strict=True)
-    values = tuple(step[token].logprob for token, step in steps)
-    return {"token_ids": ids, "token_log_probs": values}
+    steps = list(zip(completion.token_ids, completion.logprobs, strict=True))
+    if ended_by_eos:
+        steps = steps[:-1]
+    return {
+        "token_ids": tuple(token for token, _ in steps),
+        "token_log_probs": tuple(step[token].logprob for token, step in steps),
+    }

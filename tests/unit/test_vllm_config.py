@@ -76,14 +76,20 @@ def test_bad_vllm_models_are_refused_with_the_field_named(fields, message):
         vllm_model(**fields)
 
 
-def test_unset_sampling_is_greedy_as_on_the_triton_path():
-    kwargs = sampling_kwargs(GenerateParams(prompt="p", max_tokens=8))
+@pytest.mark.parametrize(
+    "sampling",
+    [{}, {"top_k": 1}, {"top_k": 1, "temperature": 0.8}, {"temperature": 0.0}],
+)
+def test_greedy_requests_are_greedy_as_on_the_triton_path(sampling):
+    # {"top_k": 1} is how the API sends a resolved greedy request (serve/api/sampling.py).
+    kwargs = sampling_kwargs(GenerateParams(prompt="p", max_tokens=8, **sampling))
     assert kwargs == {
         "max_tokens": 8,
         "temperature": 0.0,
         "top_p": 1.0,
         "top_k": 0,
         "stop": [],
+        "ignore_eos": False,
         "logprobs": None,
     }
 
