@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serve.api import unsupported
+
 log = logging.getLogger("ray.serve")
 
 
@@ -110,7 +112,10 @@ def install_handlers(app: FastAPI) -> None:
     async def on_invalid(_: Request, error: RequestValidationError):
         first = min(error.errors(), key=_specificity)
         param = ".".join(str(p) for p in first["loc"] if not _not_a_field(p)) or None
-        return error_response(APIError(f"{param}: {first['msg']}", param=param))
+        message = first["msg"]
+        if first["type"] == "extra_forbidden" and unsupported.reason(str(first["loc"][-1])):
+            message = f"not supported: {unsupported.reason(str(first['loc'][-1]))}"
+        return error_response(APIError(f"{param}: {message}", param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, error: StarletteHTTPException):

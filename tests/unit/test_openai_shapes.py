@@ -277,3 +277,16 @@ def test_a_token_id_outside_the_vocabulary_is_a_400_naming_it(prompt, words):
     response = client().post("/v1/completions", json={"model": "llm", "prompt": prompt})
     error = error_of(response, 400)
     assert error["param"].startswith("prompt") and words in error["message"]
+
+
+@pytest.mark.parametrize("field, value", [("logit_bias", {"5": 1}), ("min_p", 0.1), ("tools", [])])
+def test_a_known_field_we_refuse_says_why(field, value):
+    body = {"model": "llm", "prompt": "a", field: value}
+    error = error_of(client().post("/v1/completions", json=body), 400)
+    assert error["param"] == field and error["message"].startswith(f"{field}: not supported: ")
+
+
+def test_an_unknown_field_is_a_400_naming_it():
+    body = {"model": "llm", "prompt": "a", "nonsense": 1}
+    error = error_of(client().post("/v1/completions", json=body), 400)
+    assert error["param"] == "nonsense" and "not permitted" in error["message"]

@@ -1,0 +1,37 @@
+"""Request fields OpenAI or vLLM define that this server refuses, each with the reason
+the client reads in its 400 (any other unknown field: "Extra inputs are not permitted")."""
+
+from __future__ import annotations
+
+_NO_TOOLS = (
+    "tool and function calling needs a tool parser and guided decoding, which the engines here lack"
+)
+
+REASONS = {
+    "tools": _NO_TOOLS,
+    "tool_choice": _NO_TOOLS,
+    "parallel_tool_calls": _NO_TOOLS,
+    "functions": _NO_TOOLS,
+    "function_call": _NO_TOOLS,
+    "logit_bias": (
+        "per-token biases are not passed to the engines (TensorRT-LLM's embedding_bias "
+        "is not wired)"
+    ),
+    "min_p": "min-p sampling is not implemented in the engines here; use top_p or top_k",
+    "stop_token_ids": "stop words reach the engines as text only; send the tokens' text in stop",
+    "best_of": "beam and best-of search are not supported; use n",
+    "use_beam_search": "beam and best-of search are not supported; use n",
+    "suffix": "fill-in-the-middle needs a model and template for it",
+    "audio": "the models here read and write text only",
+    "modalities": "the models here read and write text only",
+    "prediction": "predicted outputs (speculative decoding from a given text) are not supported",
+    "guided_json": "guided decoding is not supported",
+    "guided_regex": "guided decoding is not supported",
+    "guided_choice": "guided decoding is not supported",
+    "guided_grammar": "guided decoding is not supported",
+}
+
+
+def reason(field: str) -> str | None:
+    """Why ``field`` (a body field's name) is refused, when it is a known one."""
+    return REASONS.get(field)
