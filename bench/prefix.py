@@ -87,7 +87,7 @@ def _set_budget(repository: Path, budget_mb: float) -> None:
     config = repository / "tensorrt_llm" / "config.pbtxt"
     text = re.sub(
         r'(key: "prefix_cache_mb" value: \{ string_value: ")[^"]*"',
-        rf"\g<1>{budget_mb}\"",
+        lambda match: f'{match.group(1)}{budget_mb}"',
         config.read_text(),
     )
     config.write_text(text)

@@ -1,0 +1,28 @@
+"""make bench-prefix's own arithmetic: the budget it writes and the ratio it reports."""
+
+from __future__ import annotations
+
+from bench.prefix import _median_ratio, _set_budget
+
+
+def test_the_budget_lands_in_the_engine_config(tmp_path):
+    config = tmp_path / "tensorrt_llm" / "config.pbtxt"
+    config.parent.mkdir()
+    config.write_text('parameters { key: "prefix_cache_mb" value: { string_value: "256" } }')
+    _set_budget(tmp_path, 113.7)
+    assert config.read_text() == (
+        'parameters { key: "prefix_cache_mb" value: { string_value: "113.7" } }'
+    )
+
+
+def test_the_no_prefix_ratio_is_of_medians_over_alternated_rounds():
+    rounds = [
+        {"system": "off", "output_tokens_per_s": 100.0},
+        {"system": "on", "output_tokens_per_s": 90.0},
+        {"system": "off", "output_tokens_per_s": 120.0},
+        {"system": "on", "output_tokens_per_s": 118.0},
+        {"system": "off", "output_tokens_per_s": 110.0},
+        {"system": "on", "output_tokens_per_s": 110.0},
+    ]
+    assert _median_ratio(rounds, "output_tokens_per_s") == 1.0
+    assert _median_ratio([], "output_tokens_per_s") is None
