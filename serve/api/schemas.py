@@ -8,6 +8,7 @@ include_stop_str_in_output, stream_options.continuous_usage_stats) are accepted.
 
 from __future__ import annotations
 
+import random
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -119,7 +120,7 @@ class SamplingFields(BaseModel):
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
-            seed=None if self.seed is None else (self.seed + choice) % 2**64,
+            seed=self._seed(choice),
             repetition_penalty=sampling.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -128,6 +129,14 @@ class SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             return_log_probs=self.wants_log_probs,
         )
+
+    def _seed(self, choice: int) -> int | None:
+        """Choice ``choice``'s seed: the request's plus the choice's index; with no seed
+        and n > 1, a random one per choice (TensorRT-LLM's default seed is the same for
+        every request, which would make the n samples equal)."""
+        if self.seed is not None:
+            return (self.seed + choice) % 2**64
+        return random.getrandbits(63) if self.n > 1 else None
 
     @property
     def wants_log_probs(self) -> bool:

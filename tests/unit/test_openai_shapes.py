@@ -59,6 +59,9 @@ def test_n_choices_each_with_its_own_seed_in_openai_order():
         (3, " c"),
     ]
     assert [p.seed for p in backend.params] == [7, 8, 7, 8]
+    unseeded = {"model": "llm", "prompt": "a", "n": 3, "temperature": 1.0}
+    api.post("/v1/completions", json=unseeded)
+    assert len({p.seed for p in backend.params[-3:]}) == 3  # every sample its own
     assert answer["usage"]["completion_tokens"] == 4
     events = stream_events(api, "/v1/chat/completions", chat("x y", n=3, max_tokens=1))
     roles = [e["choices"][0]["index"] for e in events if "role" in e["choices"][0]["delta"]]
