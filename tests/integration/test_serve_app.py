@@ -60,11 +60,13 @@ def app_url(checkpoint_dir, built_embedding_repository, tmp_path_factory):
 
 
 def wait_ready(url: str, process, log_path: Path, timeout_s: float = 300) -> None:
+    """Until ``/health`` says every model has a running replica (``/v1/models`` answers
+    as soon as the ingress is up, before any Triton has started)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert process.poll() is None, log_path.read_text()[-3000:]
         try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
