@@ -29,6 +29,18 @@ pytestmark = pytest.mark.integration
 STOP_WITHIN_S = 15
 
 
+def wait_for_tritons(marker: bytes, count: int, timeout_s: float) -> dict[int, str]:
+    """The marked processes once ``count`` of them are Triton servers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = processes_with(marker)
+        tritons = sum("tritonserver" in cmd for cmd in running.values())
+        if tritons >= count:
+            return running
+        assert time.monotonic() < deadline, f"{tritons} of {count} Tritons: {running}"
+        time.sleep(1)
+
+
 def processes_with(marker: bytes) -> dict[int, str]:
     """Live processes whose environment holds ``marker``: pid -> command line."""
     found = {}
@@ -112,10 +124,11 @@ def test_ctrl_c_on_make_run_stops_serve_ray_haproxy_and_every_triton(
     terminal = Terminal(argv, env, ROOT, tmp_path / "make-run.log")
     try:
         wait_ready(f"http://127.0.0.1:{port}", terminal, terminal.log, timeout_s=240)
-        running = processes_with(marker)
+        # One Triton per replica, the LLM's and the embeddings model's. Waited for as
+        # well: another Ray instance on the machine (a previous test's, shutting down)
+        # can hold the ingress replicas' default port and answer /health first.
+        running = wait_for_tritons(marker, count=2, timeout_s=240)
         assert {"serve run", "raylet", "gcs_server", "haproxy"} <= kinds(running), running
-        # One Triton per replica: the LLM's and the embeddings model's.
-        assert sum("tritonserver" in cmd for cmd in running.values()) >= 2, running
 
         terminal.interrupt()
         took, left = wait_for_exit(marker, STOP_WITHIN_S)
