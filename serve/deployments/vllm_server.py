@@ -20,7 +20,6 @@ again in the ingress.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,8 +32,6 @@ from vllm.sampling_params import RequestOutputKind
 from serve.generation import GenerateParams, GenerationChunk, coalesce
 from serve.triton.host import GenerationError
 from serve.vllm_params import sampling_kwargs
-
-log = logging.getLogger("ray.serve")
 
 
 class VLLMServer(LLMServer):
