@@ -53,10 +53,14 @@ LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 def serve_env(mode: str, haproxy_dir: Path | None = None, base: dict | None = None) -> dict:
     """The environment for Ray's processes in ``mode``.
 
-    ``haproxy_dir`` gives HAProxy its own files and free stats/metrics ports, so that
-    several Serve instances on one machine (tests, benchmarks) do not share
-    /tmp/haproxy-serve; its path must be short (the admin socket's path must fit in
-    97 bytes).
+    ``haproxy_dir`` gives HAProxy its own files and free ports, so that several Serve
+    instances on one machine (two stacks, tests, benchmarks) share nothing; its path
+    must be short (the admin socket's path must fit in 97 bytes). The ports include
+    those of Serve's fallback proxy: HAProxy sends a request there while no ingress
+    replica of its own is up (a stack starting, or replacing its replicas), and
+    Serve's proxies listen with SO_REUSEPORT on a fixed default port (8500), so on a
+    shared port the kernel hands some of those requests to another instance's proxy,
+    which answers them with its own application.
     """
     if mode not in SERVE_MODES:
         raise ValueError(f"unknown Serve mode {mode!r}; choose one of {', '.join(SERVE_MODES)}")
@@ -74,6 +78,8 @@ def serve_env(mode: str, haproxy_dir: Path | None = None, base: dict | None = No
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(haproxy_dir / "server-state"),
             "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
         }
     return env
 
