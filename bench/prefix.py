@@ -219,6 +219,9 @@ def _median_ratio(results: list[dict], key: str) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Absolute: the replicas' Tritons are found by the repository path on their
+    # command lines, which Serve's config makes absolute.
+    args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = conversation_prompts(args.conversations, args.turns, args.prefix_words)
     repos, budget_mb = repositories(args.out, prompts[: args.conversations], args.budget_share)
