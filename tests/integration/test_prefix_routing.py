@@ -4,13 +4,18 @@ Triton metrics), and that replica's prefix cache serves them."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.cluster import serve_config, triton_http_url
+from tests.integration.repositories import repository_with_limits
 
 pytestmark = pytest.mark.integration
 
@@ -63,3 +68,74 @@ def test_each_conversation_stays_on_the_replica_holding_its_prefix(cluster, buil
     assert set.union(*replicas_of.values()) == {0, 1}  # new conversations spread out
     hits = sum(prefix_counters(u)[1] for u in urls)
     assert hits >= len(OPENINGS) * 2 * 16  # turns 2 and 3 reused at least a block each
+
+
+def held_stream(url: str, prompt: str, release: threading.Event) -> str:
+    """A streamed completion of ``prompt`` that keeps its engine slot until ``release``,
+    then is abandoned (which frees the slot). Its first event."""
+    body = {"model": "tritonllm-default", "prompt": prompt, "stream": True}
+    body |= {"max_tokens": 400, "min_tokens": 400}  # within the default model's 512
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        first = next((line for line in response.iter_lines() if line.startswith("data: ")), "")
+        release.wait(120)
+    return f"{response.status_code} {first}"
+
+
+def test_a_busy_or_lost_replica_gives_way_to_the_other(cluster, checkpoint_dir, tmp_path):
+    """Affinity yields to load (an engine batch of imbalance) and to replica loss (the
+    ingress retries a request whose replica died before answering)."""
+    # Two sequences per engine: the router balances once one replica has 2 more queued.
+    repository = repository_with_limits(
+        checkpoint_dir, tmp_path / "model_repository", "--max-batch-size", "2"
+    )
+    deployment = {
+        "autoscaling_config": None,
+        "num_replicas": 2,
+        "health_check_period_s": 1,
+        "health_check_timeout_s": 10,
+    }
+    cluster.deploy(serve_config(repository, routing="prefix_aware", deployment=deployment))
+    cluster.wait_running()
+    replicas = cluster.running_replicas("llm", "Triton-tritonllm-default")
+    urls = [triton_http_url(r, port="metrics") for r in replicas]
+    prompt = OPENINGS[0] + " Question 0: where did they go next?"
+
+    def complete() -> int:
+        """The replica that served one turn of the conversation."""
+        before = [prefix_counters(u) for u in urls]
+        body = {"model": "tritonllm-default", "prompt": prompt, "max_tokens": 4}
+        response = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return served_by(urls, before)
+
+    home = complete()
+    # Six long streams of the same conversation at once: affinity alone would queue all
+    # six on `home` (whose engine admits two); the router sends the rest by load.
+    before = [prefix_counters(u) for u in urls]
+    release = threading.Event()
+    with ThreadPoolExecutor(6) as pool:
+        held = [pool.submit(held_stream, cluster.url, prompt, release) for _ in range(6)]
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            admitted = [prefix_counters(u)[0] > b[0] for u, b in zip(urls, before, strict=True)]
+            if all(admitted):
+                break
+            time.sleep(0.5)
+        release.set()
+        firsts = [f.result(timeout=180) for f in held]
+        assert all(f.startswith("200 ") and "choices" in f for f in firsts), firsts
+    assert all(admitted), "every stream queued on the replica holding the prefix"
+
+    # The replica holding the prefix dies (its Triton with it): the next turn is
+    # answered, by the other replica, and Serve replaces the lost one.
+    survivor = 1 - home
+    os.kill(replicas[home]["pid"], signal.SIGKILL)
+    before = prefix_counters(urls[survivor])
+    body = {"model": "tritonllm-default", "prompt": prompt, "max_tokens": 4}
+    response = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert served_by([urls[survivor]], [before]) == 0
+    deadline = time.monotonic() + 180
+    while len(cluster.running_replicas("llm", "Triton-tritonllm-default")) < 2:
+        assert time.monotonic() < deadline, "the lost replica was not replaced"
+        time.sleep(1)
