@@ -31,10 +31,12 @@ ROLES = (
     ("ServeReplica:llm:Triton-", "triton replica"),
     ("PipelineBaseline", "pipeline replica"),
     # Ray Serve LLM (build_openai_app): vLLM titles its engine process VLLM::EngineCore
-    # (scheduler and model forward); Ray Serve LLM's ingress is OpenAiIngress, and its
-    # LLMServer replica (the only other replica of its app) runs vLLM's AsyncLLM front
-    # end: tokenization, detokenization, the OpenAI response objects.
-    ("EngineCore", "vllm engine core"),
+    # (the scheduler) and, on CPU, that process's child VLLM::Worker (the model forward);
+    # Ray Serve LLM's ingress is OpenAiIngress, and its LLMServer replica (the only other
+    # replica of its app) runs vLLM's AsyncLLM front end: tokenization, detokenization,
+    # the OpenAI response objects.
+    ("VLLM::EngineCore", "vllm engine core"),
+    ("VLLM::Worker", "vllm worker"),
     ("ServeReplica:rayllm:OpenAiIngress", "ingress replica"),
     ("ServeReplica:rayllm:", "llm server replica"),
     ("ray", "ray (other)"),

@@ -163,14 +163,15 @@ def serve_run(
     mode: str = "default",
     timeout_s: float = 600,
     ready_paths: tuple[str, ...] = ("/v1/models", "/baseline/"),
-    serve: Path | None = None,
+    python: Path | None = None,
     name: str = "serve",
     pids: list[int] | None = None,
 ):
     """``serve run`` of ``config`` in its own process group; yields the HTTP base URL
     once every one of ``ready_paths`` answers 200.
 
-    ``serve``: another environment's ``serve`` (default: this one's); ``name``: of its
+    ``python``: another environment's Python, whose Serve CLI runs it (default: this
+    environment's ``serve``); ``name``: of its
     config and log files under ``out``; ``pids`` gets the process's pid (its Ray
     instance runs below it).
 
@@ -182,11 +183,13 @@ def serve_run(
     log_path = out / f"{name}.log"
     path.write_text(yaml.safe_dump(config))
     url = f"http://127.0.0.1:{config['http_options']['port']}"
-    serve = serve or Path(sys.executable).parent / "serve"
+    # `python -m ray.serve.scripts` is the `serve` script's entry point: a virtualenv
+    # moved or copied keeps stale interpreter paths in its scripts, not in its python.
+    serve = [str(python), "-m", "ray.serve.scripts"] if python else [_serve_script()]
     with serve_mode_env(mode) as env:
         with log_path.open("w") as log:
             process = subprocess.Popen(
-                [str(serve), "run", "--address", "local", str(path)],
+                [*serve, "run", "--address", "local", str(path)],
                 cwd=ROOT,
                 env=env,
                 stdout=log,
@@ -202,6 +205,10 @@ def serve_run(
             yield url
         finally:
             stop_group(process)
+
+
+def _serve_script() -> str:
+    return str(Path(sys.executable).parent / "serve")
 
 
 def _default_sigint() -> None:
@@ -430,7 +437,7 @@ def start_systems(
                 args.out,
                 "default",
                 ready_paths=("/v1/models",),
-                serve=python.parent / "serve",
+                python=python,
                 name=RAYLLM_APP,
                 pids=pids,
             )  # fmt: skip

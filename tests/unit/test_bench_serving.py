@@ -247,15 +247,17 @@ def test_cpu_by_role_keeps_ray_serve_llms_instance_apart_by_role():
         51: (50, 2.0, "/v/lib/ray/core/src/ray/raylet/raylet --node-id=x", 7),
         52: (51, 3.0, "ray::ProxyActor", 7),
         53: (51, 1.0, "ray::ServeReplica:rayllm:OpenAiIngress", 7),
-        54: (51, 4.0, "ray::ServeReplica:rayllm:rayllm-default", 7),
+        54: (51, 4.0, "ray::ServeReplica:rayllm:LLMServer:rayllm-default", 7),
         55: (54, 50.0, "VLLM::EngineCore", 7),
+        56: (55, 9.0, "VLLM::Worker", 7),  # vLLM on CPU: the model's forward
     }
     after = before | {
         30: (1, 8.0, "ray::ProxyActor", 7),
         52: (51, 4.5, "ray::ProxyActor", 7),
         53: (51, 3.0, "ray::ServeReplica:rayllm:OpenAiIngress.completions", 7),
-        54: (51, 7.0, "ray::ServeReplica:rayllm:rayllm-default.handle_request", 7),
+        54: (51, 7.0, "ray::ServeReplica:rayllm:LLMServer:rayllm-default.completions", 7),
         55: (54, 62.0, "VLLM::EngineCore", 7),
+        56: (55, 29.0, "VLLM::Worker", 7),
     }
     spent = cpu.by_role(before, after, apart={"rayllm": 50})
     assert spent == {
@@ -263,6 +265,7 @@ def test_cpu_by_role_keeps_ray_serve_llms_instance_apart_by_role():
         "rayllm:llm server replica": 3.0,
         "rayllm:serve proxy": 1.5,
         "rayllm:vllm engine core": 12.0,
+        "rayllm:vllm worker": 20.0,
         "serve proxy": 1.0,
     }
     # proxy 1.5 + ingress 2.0 + LLMServer 3.0 over 1,000 tokens; the stack's apart
@@ -275,6 +278,7 @@ def test_cpu_by_role_keeps_ray_serve_llms_instance_apart_by_role():
         "llm server replica": 3.0,
         "serve proxy": 1.5,
         "vllm engine core": 12.0,
+        "vllm worker": 20.0,
     }
     assert cpu.own_ms_per_token(spent, 1000) == {"serve proxy": 1.0}
 
