@@ -139,10 +139,12 @@ test-unit: venv-dev
 	$(PY) -m pytest -m 'not integration' $(PYTEST_ARGS)
 
 # The whole stack against its baselines on the ~30M bench model, side by side:
-# Serve + transformers pipeline, Triton alone, this stack (docs/benchmarks.md).
+# Serve + transformers pipeline, Triton alone, this stack, and with
+# BENCH_ARGS="--systems triton,stack,rayllm" Ray Serve LLM + vLLM (docs/benchmarks.md).
 # build/bench/results.json, serving.png and a table; BENCH_ARGS=--help for the options.
-bench: venv-dev vllm-env
-	$(PY) -m bench.serving $(BENCH_ARGS)
+# The vLLM environment only when rayllm is among the systems.
+bench: venv-dev $(if $(findstring rayllm,$(BENCH_ARGS)),vllm-env)
+	$(PY) -m bench.serving --vllm-python $(VLLM_PY) $(BENCH_ARGS)
 
 # The serving path's CPU per token at GPU token rates: Triton alone and the stack over
 # the null engine (a benchmark instrument: no model math, a fixed step time), side by

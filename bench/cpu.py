@@ -6,8 +6,10 @@ process's user + system time from ``/proc`` before and after (Linux only; elsewh
 the figures are simply absent) and sums the difference by role: the engine (the
 ``tensorrt_llm`` model's Python stub), pre/postprocessing stubs, Triton's core, Serve's
 HTTP proxy (or HAProxy), the ingress replica, the Triton replica, the pipeline
-baseline, and the rest of Ray. Processes below the Triton that runs alone, (b), are
-kept apart under a ``triton:`` prefix, so each system's figures are its own.
+baseline, Ray Serve LLM's replicas and vLLM's engine core, and the rest of Ray.
+Processes below the Triton that runs alone, (b), are kept apart under a ``triton:``
+prefix, and those of Ray Serve LLM's own Ray instance, (d), under ``rayllm:``, so each
+system's figures are its own.
 
 psutil would give the same numbers; it is not a dependency of this project, and the
 two ``/proc`` fields it would read are all this needs.
@@ -28,9 +30,21 @@ ROLES = (
     ("OpenAIIngress", "ingress replica"),
     ("ServeReplica:llm:Triton-", "triton replica"),
     ("PipelineBaseline", "pipeline replica"),
+    # Ray Serve LLM (build_openai_app): vLLM titles its engine process VLLM::EngineCore
+    # (the scheduler) and, on CPU, that process's child VLLM::Worker (the model forward);
+    # Ray Serve LLM's ingress is OpenAiIngress, and its LLMServer replica (the only other
+    # replica of its app) runs vLLM's AsyncLLM front end: tokenization, detokenization,
+    # the OpenAI response objects.
+    ("VLLM::EngineCore", "vllm engine core"),
+    ("VLLM::Worker", "vllm worker"),
+    ("ServeReplica:rayllm:OpenAiIngress", "ingress replica"),
+    ("ServeReplica:rayllm:", "llm server replica"),
     ("ray", "ray (other)"),
 )
 FRONT_DOOR = ("serve proxy", "ingress replica", "triton replica")
+# Ray Serve LLM's: its LLMServer replica holds vLLM's detokenizer, which the stack has
+# in Triton's postprocessing (outside its front door), so this front door does more.
+RAYLLM_FRONT_DOOR = ("serve proxy", "ingress replica", "llm server replica")
 # Every process a streamed token crosses, from the engine to the client's socket.
 SERVING_PATH = ("engine", "pre/postprocessing", "triton core", *FRONT_DOOR)
 LOAD_GENERATOR = "load generator"
@@ -76,19 +90,26 @@ def _descendants(processes: dict, root: int | None) -> set[int]:
 
 
 def by_role(
-    before: dict, after: dict, triton_alone_pid: int | None = None, client_pid: int | None = None
+    before: dict,
+    after: dict,
+    triton_alone_pid: int | None = None,
+    client_pid: int | None = None,
+    apart: dict[str, int | None] | None = None,
 ) -> dict[str, float]:
     """CPU seconds each role spent between two snapshots (processes born in between
-    count from zero); Triton-alone's processes under ``triton:``, the benchmark's own
+    count from zero); Triton-alone's processes under ``triton:``, those below each pid
+    of ``apart`` under its name (``{"rayllm": pid}``: ``rayllm:``), the benchmark's own
     process (``client_pid``) as the load generator."""
-    alone = _descendants(after, triton_alone_pid)
+    owner = {}
+    for prefix, root in {"triton": triton_alone_pid, **(apart or {})}.items():
+        owner |= dict.fromkeys(_descendants(after, root), prefix)
     spent: dict[str, float] = {}
     for pid, (_, cpu, cmdline, started) in after.items():
         role = LOAD_GENERATOR if pid == client_pid else _role(cmdline)
         if role is None:
             continue
-        if pid in alone:
-            role = f"triton:{role}"
+        if pid in owner:
+            role = f"{owner[pid]}:{role}"
         # Same pid and start time: the same process (Ray retitles its workers per call,
         # so the command line may differ).
         earlier = before.get(pid)
@@ -105,8 +126,25 @@ def ms_per_token(spent: dict[str, float], tokens: int, roles) -> float | None:
     return 1000 * sum(spent.get(role, 0.0) for role in roles) / tokens
 
 
-def front_door_ms_per_token(spent: dict[str, float], tokens: int) -> float | None:
-    """The stack's CPU outside Triton (proxy, ingress, Triton replica) per output token."""
-    if not tokens or not any(role in spent for role in FRONT_DOOR):
+def front_door_ms_per_token(
+    spent: dict[str, float], tokens: int, roles=FRONT_DOOR, prefix: str = ""
+) -> float | None:
+    """A front door's CPU per output token: by default the stack's outside Triton
+    (proxy, ingress, Triton replica); ``RAYLLM_FRONT_DOOR`` with ``prefix="rayllm:"``
+    for Ray Serve LLM's."""
+    keys = [prefix + role for role in roles]
+    if not tokens or not any(key in spent for key in keys):
         return None
-    return 1000 * sum(spent.get(role, 0.0) for role in FRONT_DOOR) / tokens
+    return 1000 * sum(spent.get(key, 0.0) for key in keys) / tokens
+
+
+def own_ms_per_token(spent: dict[str, float], tokens: int, prefix: str = "") -> dict[str, float]:
+    """CPU ms per output token of each role under ``prefix`` alone (``""``: the roles
+    kept apart under no prefix), the load generator left out; {} without tokens."""
+    if not tokens:
+        return {}
+    return {
+        role[len(prefix) :]: round(1000 * seconds / tokens, 3)
+        for role, seconds in spent.items()
+        if role.startswith(prefix) and ":" not in role[len(prefix) :] and role != LOAD_GENERATOR
+    }

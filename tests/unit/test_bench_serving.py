@@ -203,3 +203,108 @@ def test_cpu_snapshot_reads_this_process():
     second = cpu.snapshot()[os.getpid()]
     assert first[0] == os.getppid() and "pytest" in first[2] and first[3] == second[3]
     assert second[1] - first[1] >= 0.2
+
+
+def test_rayllm_is_ray_serve_llms_own_app_with_the_shipped_cpu_settings(tmp_path):
+    from bench.serving import RAYLLM_APP, RAYLLM_MODEL, rayllm_config
+
+    config = rayllm_config(tmp_path / "hf_model", 8124)
+    assert config["http_options"] == {"host": "127.0.0.1", "port": 8124}
+    (app,) = config["applications"]
+    assert app["import_path"] == "ray.serve.llm:build_openai_app"
+    assert app["name"] == RAYLLM_APP == "rayllm"  # bench/cpu.py's roles key on it
+    (llm,) = app["args"]["llm_configs"]
+    assert llm["model_loading_config"] == {
+        "model_id": RAYLLM_MODEL,
+        "model_source": str(tmp_path / "hf_model"),
+    }
+    assert llm["accelerator_config"] == {"kind": "cpu"}
+    assert llm["engine_kwargs"]["dtype"] == "float32"
+    assert llm["engine_kwargs"]["max_model_len"] >= 512
+    assert llm["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"]
+    deployment = llm["deployment_config"]
+    assert deployment["num_replicas"] == 1 and deployment["ray_actor_options"]["num_cpus"] == 0
+    assert app["args"]["ingress_deployment_config"]["ray_actor_options"]["num_cpus"] == 0
+    # GPU boxes: no CPU accelerator, vLLM's own dtype; the shipped config left as it is.
+    gpu = rayllm_config(tmp_path, 8125, gpus_per_replica=1)["applications"][0]
+    (gpu_llm,) = gpu["args"]["llm_configs"]
+    assert "accelerator_config" not in gpu_llm and "dtype" not in gpu_llm["engine_kwargs"]
+    assert (
+        rayllm_config(tmp_path, 8126)["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"][
+            "dtype"
+        ]
+        == "float32"
+    )
+
+
+def test_cpu_by_role_keeps_ray_serve_llms_instance_apart_by_role():
+    from bench import cpu
+
+    # pid: (parent pid, CPU seconds, command line, start time); 50: rayllm's serve run
+    before = {
+        30: (1, 7.0, "ray::ProxyActor", 7),  # the stack's proxy
+        50: (1, 1.0, "/v/bin/python /v/bin/serve run --address local rayllm.yaml", 7),
+        51: (50, 2.0, "/v/lib/ray/core/src/ray/raylet/raylet --node-id=x", 7),
+        52: (51, 3.0, "ray::ProxyActor", 7),
+        53: (51, 1.0, "ray::ServeReplica:rayllm:OpenAiIngress", 7),
+        54: (51, 4.0, "ray::ServeReplica:rayllm:LLMServer:rayllm-default", 7),
+        55: (54, 50.0, "VLLM::EngineCore", 7),
+        56: (55, 9.0, "VLLM::Worker", 7),  # vLLM on CPU: the model's forward
+    }
+    after = before | {
+        30: (1, 8.0, "ray::ProxyActor", 7),
+        52: (51, 4.5, "ray::ProxyActor", 7),
+        53: (51, 3.0, "ray::ServeReplica:rayllm:OpenAiIngress.completions", 7),
+        54: (51, 7.0, "ray::ServeReplica:rayllm:LLMServer:rayllm-default.completions", 7),
+        55: (54, 62.0, "VLLM::EngineCore", 7),
+        56: (55, 29.0, "VLLM::Worker", 7),
+    }
+    spent = cpu.by_role(before, after, apart={"rayllm": 50})
+    assert spent == {
+        "rayllm:ingress replica": 2.0,
+        "rayllm:llm server replica": 3.0,
+        "rayllm:serve proxy": 1.5,
+        "rayllm:vllm engine core": 12.0,
+        "rayllm:vllm worker": 20.0,
+        "serve proxy": 1.0,
+    }
+    # proxy 1.5 + ingress 2.0 + LLMServer 3.0 over 1,000 tokens; the stack's apart
+    assert cpu.front_door_ms_per_token(
+        spent, 1000, cpu.RAYLLM_FRONT_DOOR, "rayllm:"
+    ) == pytest.approx(6.5)
+    assert cpu.front_door_ms_per_token(spent, 1000) == pytest.approx(1.0)
+    assert cpu.own_ms_per_token(spent, 1000, "rayllm:") == {
+        "ingress replica": 2.0,
+        "llm server replica": 3.0,
+        "serve proxy": 1.5,
+        "vllm engine core": 12.0,
+        "vllm worker": 20.0,
+    }
+    assert cpu.own_ms_per_token(spent, 1000) == {"serve proxy": 1.0}
+
+
+def test_ratios_put_the_stack_against_ray_serve_llm_too():
+    results = [
+        level("triton", 16, 300, 400),
+        level("stack", 16, 240, 410),
+        level("rayllm", 16, 200, 500),
+        level("stack", 64, 250, 900),  # no rayllm level here: no ratio against it
+        level("triton", 64, 300, 800),
+    ]
+    rows = {r["concurrency"]: r for r in report.ratios(results)}
+    assert rows[16]["stack_over_rayllm"] == pytest.approx(1.2)
+    assert rows[16]["ttft_p50_vs_rayllm_ms"] == pytest.approx(-90)
+    assert rows[16]["stack_over_triton"] == pytest.approx(0.8)
+    assert "stack_over_rayllm" not in rows[64] and rows[64]["stack_over_triton"] == 250 / 300
+    assert "rayllm" in report.SYSTEMS
+
+
+def test_the_cpu_table_shows_each_systems_own_roles_side_by_side():
+    results = [
+        {"system": "rayllm", "concurrency": 1, "cpu_ms_per_token": {"vllm engine core": 9.0}},
+        {"system": "stack", "concurrency": 1, "cpu_ms_per_token": {"engine": 8.0, "x": 1.5}},
+    ]
+    lines = report.cpu_markdown(results).splitlines()
+    assert lines[0] == "| CPU ms/token | stack c=1 | rayllm c=1 |"
+    assert "| engine | 8.00 |  |" in lines and "| vllm engine core |  | 9.00 |" in lines
+    assert lines[-1] == "| **total** | **9.50** | **9.00** |"
