@@ -16,6 +16,7 @@ their replicas (PDEATHSIG).
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import signal
@@ -35,8 +36,27 @@ from tests.conftest import ROOT
 BIN = Path(sys.executable).parent
 
 
+class RayNode:
+    """A worker node: its own ``ray start`` (raylet, agents, workers) with its own temp
+    dir, which names it in the command line of each of its processes."""
+
+    def __init__(self, name: str, temp_dir: Path):
+        self.name, self.temp_dir = name, temp_dir
+
+    def pids(self) -> list[int]:
+        """Every process of the node: those naming its temp dir (raylet, agents, Ray
+        workers) and their descendants (a replica's Triton)."""
+        return descendants(processes_naming(str(self.temp_dir).encode()))
+
+    def kill(self) -> None:
+        """The node fails as a machine does: every process of it at once (SIGKILL)."""
+        for sig in (signal.SIGSTOP, signal.SIGKILL):  # stopped first: nothing respawns
+            for pid in self.pids():
+                signal_pid(pid, sig)
+
+
 class RayCluster:
-    def __init__(self, num_cpus: int = 4):
+    def __init__(self, num_cpus: int = 4, env: dict | None = None):
         # Short: Ray's socket paths live under it and must fit in 107 bytes.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
         self.gcs_port = free_port()
@@ -46,6 +66,8 @@ class RayCluster:
         self.num_cpus = num_cpus
         self.haproxy_dir = private_haproxy_dir()
         self.env = serve_env("throughput", self.haproxy_dir) | {"RAY_AUTH_MODE": "token"}
+        self.env |= env or {}
+        self.nodes: list[RayNode] = []
 
     @property
     def dashboard(self) -> str:
@@ -55,7 +77,7 @@ class RayCluster:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
-    def start(self) -> RayCluster:
+    def start(self, num_gpus: int = 0) -> RayCluster:
         self._ray(
             "start",
             "--head",
@@ -64,11 +86,41 @@ class RayCluster:
             f"--dashboard-port={self.dashboard_port}",
             f"--metrics-export-port={self.metrics_port}",
             f"--num-cpus={self.num_cpus}",
+            f"--num-gpus={num_gpus}",
             f"--temp-dir={self.temp_dir}",
             f"--ray-client-server-port={free_port()}",
             "--disable-usage-stats",
         )
         return self
+
+    def add_node(
+        self, name: str, num_cpus: float, num_gpus: int = 0, resources: dict | None = None
+    ) -> RayNode:
+        """A worker node joining the head: ``--num-gpus`` declares GPUs to Ray alone (a
+        replica placed for one runs on CPU here), ``resources`` are custom ones."""
+        node = RayNode(name, Path(tempfile.mkdtemp(prefix="rn", dir="/tmp")))
+        self.nodes.append(node)
+        self._ray(
+            "start",
+            f"--address=127.0.0.1:{self.gcs_port}",
+            f"--node-name={name}",
+            f"--num-cpus={num_cpus}",
+            f"--num-gpus={num_gpus}",
+            f"--resources={json.dumps(resources or {})}",
+            f"--temp-dir={node.temp_dir}",
+            f"--metrics-export-port={free_port()}",
+            "--disable-usage-stats",
+        )
+        return node
+
+    def node_names(self) -> dict[str, str]:
+        """Node id to node name (``add_node``'s; the head's is its IP) of the live nodes."""
+        response = httpx.get(
+            f"{self.dashboard}/api/v0/nodes", headers=self._auth(), params={"limit": 100}
+        )
+        response.raise_for_status()
+        nodes = response.json()["data"]["result"]["result"]
+        return {n["node_id"]: n["node_name"] for n in nodes if n["state"] == "ALIVE"}
 
     def _ray(self, *args: str) -> None:
         subprocess.run(
@@ -133,36 +185,52 @@ class RayCluster:
 
     def stop(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            pids = self._pids()
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+            for pid in self._pids():
+                signal_pid(pid, sig)
             deadline = time.monotonic() + 15
             while self._pids() and time.monotonic() < deadline:
                 time.sleep(0.5)
         shutil.rmtree(self.haproxy_dir, ignore_errors=True)
 
     def _pids(self) -> list[int]:
-        """Processes of this cluster: their command line names its temp dir, GCS port or
-        HAProxy dir."""
-        marks = (
-            str(self.temp_dir).encode(),
-            f"127.0.0.1:{self.gcs_port}".encode(),
-            str(self.haproxy_dir).encode(),
-        )
-        pids = []
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit() or int(proc.name) == os.getpid():
-                continue
-            try:
-                cmdline = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if any(mark in cmdline for mark in marks):
-                pids.append(int(proc.name))
-        return pids
+        """Processes of this cluster: their command line names its or a node's temp dir,
+        its GCS port or its HAProxy dir."""
+        marks = [str(self.temp_dir), f":{self.gcs_port} ", str(self.haproxy_dir)]
+        marks += [str(node.temp_dir) for node in self.nodes]
+        return processes_naming(*(mark.encode() for mark in marks))
+
+
+def processes_naming(*marks: bytes) -> list[int]:
+    """Processes (not this one) whose command line contains any of ``marks``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ") + b" "
+        except OSError:
+            continue
+        if any(mark in cmdline for mark in marks):
+            pids.append(int(proc.name))
+    return pids
+
+
+def descendants(pids: list[int]) -> list[int]:
+    """``pids`` and every process under them."""
+    found, queue = [], list(pids)
+    while queue:
+        pid = queue.pop()
+        if pid not in found:
+            found.append(pid)
+            queue += child_pids(pid)
+    return found
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def serve_config(repository: Path, **model_overrides) -> dict:
