@@ -60,7 +60,7 @@ BENCH_ARGS  ?=
 SMOKE_ARGS  ?=
 
 .PHONY: venv venv-dev vllm-env engines run triton triton-embeddings test test-unit lint \
-	bench bench-capacity bench-engine bench-embeddings bench-prefix gpu-smoke clean-engines clean
+	redis bench bench-capacity bench-engine bench-embeddings bench-prefix gpu-smoke clean-engines clean
 
 ifeq ($(NO_VENV),1)
 venv venv-dev:
@@ -131,12 +131,17 @@ triton-embeddings: venv
 		--http-port $(EMB_TRITON_HTTP_PORT) --grpc-port $(EMB_TRITON_GRPC_PORT) \
 		--metrics-port $(EMB_TRITON_METRICS_PORT)
 
-# The vLLM environment too: the tests serve a model through both engines.
-test: venv-dev vllm-env
+# The vLLM environment too: the tests serve a model through both engines; and Redis,
+# where Ray keeps its cluster state in the GCS fault-tolerance test.
+test: venv-dev vllm-env redis
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: venv-dev
 	$(PY) -m pytest -m 'not integration' $(PYTEST_ARGS)
+
+# Debian's redis-server, unpacked under build/redis (scripts/fetch_redis.sh).
+redis:
+	scripts/fetch_redis.sh
 
 # The whole stack against its baselines on the ~30M bench model, side by side:
 # Serve + transformers pipeline, Triton alone, this stack, and with

@@ -74,7 +74,7 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
         repository.check_built(model.triton.repository_path(), tuple(model.entry_models()))
         check_gpu_memory(model)
     options = model.deployment.model_dump(
-        exclude={"num_replicas", "autoscaling_config", "ray_actor_options"}
+        exclude={"num_replicas", "autoscaling_config", "ray_actor_options"}, exclude_none=True
     )
     options["graceful_shutdown_timeout_s"] = model.drain_timeout_s()
     options["ray_actor_options"] = model.deployment.ray_actor_options.to_ray()

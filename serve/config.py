@@ -146,6 +146,12 @@ class DeploymentOptions(_Strict):
         3, ge=1, description="failed replica starts before the deployment is DEPLOY_FAILED"
     )
     ray_actor_options: RayActorOptions = Field(default_factory=RayActorOptions)
+    max_replicas_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="at most this many replicas on one Ray node (1: a node's loss takes "
+        "one replica); unset: no limit",
+    )
 
     @model_validator(mode="after")
     def _one_scaling_mode(self) -> DeploymentOptions:

@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -180,6 +181,23 @@ class RayCluster:
             time.sleep(1)
         raise AssertionError(f"{app} not running after {timeout_s} s: {self.applications()}")
 
+    def kill_gcs(self) -> None:
+        """The head's GCS fails (SIGKILL); :meth:`restart_gcs` starts it again as Ray
+        started it (same command line and environment), as a restarted head would."""
+        head = processes_naming(str(self.temp_dir).encode())
+        (pid,) = [p for p in head if process_name(p) == "gcs_server"]
+        proc = Path(f"/proc/{pid}")
+        self._gcs_command = proc.joinpath("cmdline").read_bytes().split(b"\0")[:-1]
+        environ = proc.joinpath("environ").read_bytes().split(b"\0")
+        self._gcs_env = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+        os.kill(pid, signal.SIGKILL)
+
+    def restart_gcs(self) -> None:
+        log = (self.temp_dir / "gcs-restarted.out").open("ab")
+        subprocess.Popen(
+            self._gcs_command, env=self._gcs_env, stdout=log, stderr=log, start_new_session=True
+        )
+
     def logs_dir(self) -> Path:
         return self.temp_dir / "session_latest" / "logs"
 
@@ -289,3 +307,51 @@ def triton_index(replica: dict) -> dict[str, str]:
     """The replica's Triton repository index: model name to state."""
     response = httpx.post(f"{triton_http_url(replica)}/v2/repository/index", json={}, timeout=10)
     return {m["name"]: m.get("state", "") for m in response.json()}
+
+
+class RedisServer:
+    """A private redis-server (Debian's, from ``make redis``) on a free loopback port,
+    where Ray's GCS keeps the cluster's state with fault tolerance on."""
+
+    UNPACKED = ROOT / "build" / "redis" / "usr"
+
+    def __init__(self):
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="redis", dir="/tmp"))
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server") or self.UNPACKED / "bin" / "redis-server"
+        env = os.environ | {"LD_LIBRARY_PATH": str(self.UNPACKED / "lib" / "x86_64-linux-gnu")}
+        self._process = subprocess.Popen(
+            [str(binary), "--port", str(self.port), "--bind", "127.0.0.1"]
+            + ["--dir", str(self.dir), "--save", "", "--appendonly", "no"],
+            env=env,
+            stdout=(self.dir / "redis.log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 30
+        while not self._pong():
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                log = (self.dir / "redis.log").read_text()
+                raise AssertionError(f"redis-server did not start (make redis):\n{log}")
+            time.sleep(0.2)
+        return self
+
+    def _pong(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=2) as conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait(timeout=30)
+        shutil.rmtree(self.dir, ignore_errors=True)

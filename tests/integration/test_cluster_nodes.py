@@ -9,17 +9,27 @@ GPU, so the engine runs on CPU), which is what these tests check.
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from serve.deploy_config import deploy_config, load_base
-from tests.integration.cluster import BIN, RayCluster
-from tests.integration.test_production import TRITON, Load, wait_for
+from tests.integration.cluster import BIN, RayCluster, RedisServer, serve_config
+from tests.integration.test_production import (
+    TRITON,
+    Load,
+    complete,
+    stream_events,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
-EMBEDDINGS = "Triton-all-MiniLM-L6-v2"
+EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+EMBEDDINGS = f"Triton-{EMBEDDING_MODEL}"
 
 
 def gpu_app_config(repository, embedding_repository, **llm_deployment) -> dict:
@@ -37,9 +47,9 @@ def gpu_app_config(repository, embedding_repository, **llm_deployment) -> dict:
 
 
 def replica_nodes(cluster: RayCluster, deployment: str) -> list[str]:
-    """The node name of each RUNNING replica of ``deployment``."""
+    """The node name of each RUNNING replica of ``deployment`` ("dead": a dead node's)."""
     names = cluster.node_names()
-    return [names[r["node_id"]] for r in cluster.running_replicas("llm", deployment)]
+    return [names.get(r["node_id"], "dead") for r in cluster.running_replicas("llm", deployment)]
 
 
 def serve_status(cluster: RayCluster) -> str:
@@ -112,3 +122,198 @@ def test_gpu_replicas_go_to_gpu_nodes_and_a_second_waits_for_one(
         print(f"second replica running {started_s:.1f} s after its GPU node joined")
     finally:
         cluster.stop()
+
+
+class MixedTraffic:
+    """Whole completions, streamed completions and embeddings from client threads until
+    stopped, each outcome kept by class with the time it was sent. An outcome is
+    ``"200"``, ``"503"`` (refused with Retry-After: retryable), ``"stream ok"``,
+    ``"stream error"`` (a stream that ended with an error event and [DONE]), or anything
+    else as it came: another status, a malformed stream, a timeout (a hang)."""
+
+    CLASSES = ("whole", "stream", "embeddings")
+
+    def __init__(self, url: str, clients_per_class: int = 2, classes: tuple = CLASSES):
+        self.url = url
+        self.outcomes: dict[str, list[tuple[float, str]]] = {c: [] for c in classes}
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(kind,))
+            for kind in classes
+            for _ in range(clients_per_class)
+        ]
+
+    def _run(self, kind: str) -> None:
+        send = {"whole": self._whole, "stream": self._stream, "embeddings": self._embed}[kind]
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            try:
+                outcome = send()
+            except Exception as error:  # noqa: BLE001 - every failure is an outcome here
+                outcome = f"{type(error).__name__}: {error}"
+            self.outcomes[kind].append((sent, outcome))
+            if outcome not in ("200", "stream ok"):
+                time.sleep(0.5)  # as a client honouring Retry-After would, roughly
+
+    def _whole(self) -> str:
+        return _status(complete(self.url, max_tokens=32), "choices")
+
+    def _stream(self) -> str:
+        events = stream_events(self.url, max_tokens=64)
+        if events[-1] != "[DONE]":
+            return f"stream without [DONE]: {events[-2:]}"
+        return "stream error" if any("error" in e for e in events[:-1]) else "stream ok"
+
+    def _embed(self) -> str:
+        body = {"model": EMBEDDING_MODEL, "input": ["a cat", "a dog"]}
+        return _status(httpx.post(f"{self.url}/v1/embeddings", json=body, timeout=60), "data")
+
+    def __enter__(self) -> MixedTraffic:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=180)
+        assert not any(t.is_alive() for t in self._threads), "a client hung"
+
+    def counts(self, since: float = 0.0, until: float = float("inf")) -> dict[str, Counter]:
+        """Outcomes by class of the requests sent in [since, until)."""
+        return {
+            kind: Counter(o for t, o in outcomes if since <= t < until)
+            for kind, outcomes in self.outcomes.items()
+        }
+
+
+def _status(response: httpx.Response, answer_key: str) -> str:
+    """ "200" for an answer, "503" for a retryable refusal, else the response itself."""
+    if response.status_code == 200 and answer_key in response.json():
+        return "200"
+    if response.status_code == 503 and "retry-after" in response.headers:
+        return "503"
+    return f"{response.status_code}: {response.text[:200]}"
+
+
+def test_a_lost_worker_node_is_replaced_while_the_app_keeps_serving(
+    built_repository, built_embedding_repository
+):
+    cluster = RayCluster(num_cpus=1).start()
+    try:
+        # Room for the lost replica elsewhere: a third node (one LLM replica per node).
+        workers = [cluster.add_node(f"worker-{i}", num_cpus=2) for i in (1, 2, 3)]
+        config = serve_config(
+            built_repository,
+            deployment={"autoscaling_config": None, "num_replicas": 2, "max_replicas_per_node": 1},
+        )
+        args = config["applications"][0]["args"]
+        embeddings = load_base()["applications"][0]["args"]["models"][1]
+        embeddings["triton"]["model_repository"] = str(built_embedding_repository)
+        args["models"].append(embeddings)
+        # The ingress beside the head's proxy: a node's loss takes Triton replicas here,
+        # not the front door (HeadOnly: every request enters through the head).
+        args["ingress"]["ray_actor_options"]["resources"] = {"node:__internal_head__": 0.01}
+        cluster.deploy(config)
+        cluster.wait_running()
+        placed = replica_nodes(cluster, TRITON)
+        assert len(set(placed)) == 2, placed
+        victim = next(node for node in workers if node.name == placed[0])
+
+        with ThreadPoolExecutor(4) as pool, MixedTraffic(cluster.url) as traffic:
+            # Long streams on both replicas (Serve routes each to the less busy one)
+            # when the node goes: those on its replica are cut mid-answer.
+            long_streams = [
+                pool.submit(stream_events, cluster.url, max_tokens=400, min_tokens=400)
+                for _ in range(4)
+            ]
+            time.sleep(5)
+            killed_at = time.monotonic()
+            victim.kill()
+
+            def recovered():
+                nodes = replica_nodes(cluster, TRITON)
+                return len(nodes) == 2 and victim.name not in nodes and "dead" not in nodes
+
+            wait_for(recovered, 180, "two LLM replicas running again")
+            recovered_s = time.monotonic() - killed_at
+            time.sleep(10)
+            cut = [ended_with_error(f.result(timeout=240)) for f in long_streams]
+        before = traffic.counts(until=killed_at)
+        during = traffic.counts(since=killed_at, until=killed_at + recovered_s)
+        after = traffic.counts(since=killed_at + recovered_s + 2)
+        print(f"node lost: LLM back to 2 replicas in {recovered_s:.1f} s")
+        print(f"before: {before}\nduring: {during}\nafter: {after}")
+        print(f"long streams cut by the node's loss: {sum(cut)} of {len(cut)}")
+    finally:
+        cluster.stop()
+    assert set(after["whole"]) == {"200"} and set(after["embeddings"]) == {"200"}, after
+    assert set(after["stream"]) == {"stream ok"}, after
+    assert recovered_s < 60, recovered_s
+    # Those on the lost replica ended with an error event, the others ran to their end.
+    assert 0 < sum(cut) < len(cut), cut
+    for kind in traffic.outcomes:  # none hung, nothing but the outcomes expected
+        assert set(before[kind] + during[kind]) <= {"200", "503", "stream ok", "stream error"}
+
+
+def ended_with_error(events: list) -> bool:
+    """True for a stream cut by an error event, False for one run to its end."""
+    assert events[-1] == "[DONE]", events[-3:]
+    if "error" in events[-2]:
+        return True
+    assert events[-2]["choices"][0]["finish_reason"] == "length", events[-2]
+    return False
+
+
+def test_with_gcs_fault_tolerance_replicas_serve_through_a_head_gcs_failure(built_repository):
+    """Ray's GCS fault tolerance: the GCS keeps the cluster's state in Redis
+    (RAY_REDIS_ADDRESS), so a GCS that restarts finds the cluster as it was. Meanwhile
+    the replicas keep serving (Serve's own promise); deployments wait for it."""
+    redis = RedisServer().start()
+    cluster = RayCluster(num_cpus=1, env={"RAY_REDIS_ADDRESS": redis.address}).start()
+    try:
+        cluster.add_node("worker-1", num_cpus=2)
+        fixed = {"autoscaling_config": None, "num_replicas": 1}
+        cluster.deploy(serve_config(built_repository, deployment=fixed))
+        cluster.wait_running()
+        with MixedTraffic(cluster.url, classes=("whole", "stream")) as traffic:
+            time.sleep(3)
+            killed_at = time.monotonic()
+            cluster.kill_gcs()
+            time.sleep(GCS_OUTAGE_S)
+            restarted_at = time.monotonic()
+            cluster.restart_gcs()
+            capped = serve_config(built_repository, max_tokens_cap=100, deployment=fixed)
+            wait_for(lambda: deployed(cluster, capped), 120, "serve deploy accepted again")
+            deployable_s = time.monotonic() - restarted_at
+            wait_for(
+                lambda: complete(cluster.url, max_tokens=150).status_code == 400,
+                120,
+                "the new max_tokens cap in force",
+            )
+            updated_s = time.monotonic() - restarted_at
+            time.sleep(3)
+        outage = traffic.counts(since=killed_at, until=restarted_at)
+        after = traffic.counts(since=restarted_at)
+        print(f"GCS down {GCS_OUTAGE_S} s; requests meanwhile: {outage}; after: {after}")
+        print(
+            f"serve deploy accepted {deployable_s:.1f} s after the GCS restarted, "
+            f"the new config in force after {updated_s:.1f} s"
+        )
+    finally:
+        cluster.stop()
+        redis.stop()
+    assert outage["whole"] and set(outage["whole"]) == {"200"}, outage
+    assert outage["stream"] and set(outage["stream"]) == {"stream ok"}, outage
+    assert updated_s < 60, updated_s
+
+
+GCS_OUTAGE_S = 20
+
+
+def deployed(cluster: RayCluster, config: dict) -> bool:
+    try:
+        cluster.deploy(config)
+    except (AssertionError, subprocess.TimeoutExpired):
+        return False
+    return True

@@ -12,6 +12,7 @@ from tests.unit.test_docker import compose, image_ray_version, served_repositori
 
 MANIFEST = ROOT / "docker" / "kuberay" / "rayservice.yaml"
 BUILD_JOB = ROOT / "docker" / "kuberay" / "build-job.yaml"
+REDIS = ROOT / "docker" / "kuberay" / "redis.yaml"
 API_KEYS_SECRET = "triton-ray-llm-api-keys"
 
 
@@ -164,3 +165,20 @@ def test_gpu_workers_are_ready_on_health_and_the_head_keeps_kuberays_probes(docs
     # operator use, and Serve is only deployed once the head is ready.
     (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
     assert "readinessProbe" not in head
+
+
+def test_the_gcs_keeps_its_state_in_the_redis_that_redis_yaml_runs(docs):
+    redis = {d["kind"]: d for d in yaml.safe_load_all(REDIS.read_text())}
+    options = docs["RayService"]["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    host, port = options["redisAddress"].split(":")
+    service = redis["Service"]
+    assert host == service["metadata"]["name"]
+    assert int(port) in {p["port"] for p in service["spec"]["ports"]}
+    pod = redis["Deployment"]["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    # The password Ray sends is the one Redis requires.
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
+    assert options["redisPassword"]["valueFrom"]["secretKeyRef"] == env["REDIS_PASSWORD"]
+    assert '--requirepass "$REDIS_PASSWORD"' in container["args"][0]
+    assert "--appendonly yes" in container["args"][0]  # survives its own restart
