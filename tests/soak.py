@@ -66,14 +66,14 @@ def soak_config() -> dict:
     return config
 
 
-def start_cluster() -> RayCluster:
-    """A head with 1 CPU and a worker with 3: the two LLM replicas (0.75 CPU each) and
-    the embeddings one (0.5) cannot all fit on the head, so requests cross nodes."""
-    cluster = RayCluster(num_cpus=1).start()
+def start(cluster: RayCluster) -> None:
+    """The head and a worker with 3 CPUs, the app deployed: the two LLM replicas (0.75
+    CPU each) and the embeddings one (0.5) cannot all fit on a 1-CPU head, so requests
+    cross nodes."""
+    cluster.start()
     cluster.add_node("worker-1", num_cpus=3)
     cluster.deploy(soak_config())
     cluster.wait_running()
-    return cluster
 
 
 def placement(cluster: RayCluster) -> dict[str, list[str]]:
@@ -192,12 +192,15 @@ def main(argv: list[str] | None = None) -> int:
         help="traffic before the first memory reading (default: "
         "60 s for a run of 5 minutes or more, else 25 s)",
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "build" / "soak" / "results.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "build" / "soak" / "results.json", help="JSON result"
+    )
     args = parser.parse_args(argv)
     warmup_s = args.warmup_s if args.warmup_s is not None else (60 if args.minutes >= 5 else 25)
     started = time.monotonic()
-    cluster = start_cluster()
-    try:
+    cluster = RayCluster(num_cpus=1)
+    try:  # a cluster that fails to start or deploy is stopped too
+        start(cluster)
         result = soak(cluster, args.minutes, warmup_s)
     finally:
         cluster.stop()
