@@ -149,8 +149,12 @@ class Traffic:
         self.outcomes: list[Outcome] = []
         self._stop = threading.Event()
         steady = [[kind] for kind in CLASSES if kind not in EXPECTED] + [list(EXPECTED)]
-        self._threads = [threading.Thread(target=self._send, args=(k,)) for k in steady]
-        self._threads.append(threading.Thread(target=self._bursts))
+        # Daemons: a client stuck past its timeouts is counted (stop) and never keeps
+        # the soak from exiting.
+        self._threads = [
+            threading.Thread(target=self._send, args=(k,), daemon=True) for k in steady
+        ]
+        self._threads.append(threading.Thread(target=self._bursts, daemon=True))
 
     def _client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT)
@@ -162,8 +166,9 @@ class Traffic:
                     return
                 outcome = attempt(kind, client)
                 self.outcomes.append(outcome)
+                # Retry-After honoured; bad requests kept to a small share.
                 if outcome.status == RETRYABLE or outcome.kind in EXPECTED:
-                    time.sleep(1)  # as a client honouring Retry-After would
+                    time.sleep(1)
 
     def _bursts(self) -> None:
         with self._client() as client, ThreadPoolExecutor(self.burst_size) as pool:
