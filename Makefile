@@ -58,9 +58,11 @@ SERVE_MODE  ?= throughput
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
 SMOKE_ARGS  ?=
+SOAK_ARGS   ?=
 
 .PHONY: venv venv-dev vllm-env engines run triton triton-embeddings test test-unit lint \
-	redis bench bench-capacity bench-engine bench-embeddings bench-prefix gpu-smoke clean-engines clean
+	redis bench bench-capacity bench-engine bench-embeddings bench-prefix soak gpu-smoke \
+	clean-engines clean
 
 ifeq ($(NO_VENV),1)
 venv venv-dev:
@@ -161,6 +163,14 @@ bench-capacity: venv-dev
 # model (built into build/bench-engine, not model_repository). Figures, not a test.
 bench-engine: venv-dev
 	$(PY) -m bench.engine $(BENCH_ARGS)
+
+# Mixed traffic for 10 minutes against a two-node Ray cluster on this machine (a head and
+# a worker; chat, completions, streams, embeddings, disconnects, bad requests, bursts past
+# the queue bound), then checks: no hang, no 5xx but the documented 503, every engine
+# slot released, no process's memory grown over 10% since warm-up (tests/soak.py).
+# build/soak/results.json and tables; SOAK_ARGS="--minutes 1" for a short one.
+soak: venv-dev
+	$(PY) -m tests.soak $(SOAK_ARGS)
 
 # On a GPU box (the GPU image): torch engine on CUDA, in-process host, a tiny
 # TensorRT-LLM engine, the trtllm-pytorch target; prints tables (scripts/gpu_smoke.sh).

@@ -14,8 +14,7 @@ REPOSITORY = ROOT / "model_repository"
 EMBEDDING_REPOSITORY = ROOT / "embedding_repository"
 
 
-@pytest.fixture(scope="session")
-def built_repository() -> Path:
+def build_repository() -> Path:
     """The default model repository, built if needed (a no-op when current)."""
     subprocess.run(
         [sys.executable, "-m", "build_engines", "--only", "llm", "--repository", str(REPOSITORY)],
@@ -23,6 +22,19 @@ def built_repository() -> Path:
         cwd=ROOT,
     )
     return REPOSITORY
+
+
+def build_embedding_repository() -> Path:
+    """The embeddings repository (all-MiniLM-L6-v2), built if needed (links, ~1 s)."""
+    command = [sys.executable, "-m", "build_engines", "--only", "embeddings"]
+    command += ["--embedding-repository", str(EMBEDDING_REPOSITORY)]
+    subprocess.run(command, check=True, cwd=ROOT)
+    return EMBEDDING_REPOSITORY
+
+
+@pytest.fixture(scope="session")
+def built_repository() -> Path:
+    return build_repository()
 
 
 @pytest.fixture(scope="session")
@@ -54,11 +66,7 @@ def triton(built_repository):
 
 @pytest.fixture(scope="session")
 def built_embedding_repository() -> Path:
-    """The embeddings repository (all-MiniLM-L6-v2), built if needed (links, ~1 s)."""
-    command = [sys.executable, "-m", "build_engines", "--only", "embeddings"]
-    command += ["--embedding-repository", str(EMBEDDING_REPOSITORY)]
-    subprocess.run(command, check=True, cwd=ROOT)
-    return EMBEDDING_REPOSITORY
+    return build_embedding_repository()
 
 
 @pytest.fixture(scope="session")

@@ -210,6 +210,11 @@ class RayCluster:
                 time.sleep(0.5)
         shutil.rmtree(self.haproxy_dir, ignore_errors=True)
 
+    def pids(self) -> list[int]:
+        """Every process of the cluster, its nodes' included, and their descendants (each
+        replica's Triton and the Python backend stubs under it)."""
+        return descendants(self._pids())
+
     def _pids(self) -> list[int]:
         """Processes of this cluster: their command line names its or a node's temp dir,
         its GCS port or its HAProxy dir."""
