@@ -13,6 +13,7 @@ import itertools
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -37,6 +38,7 @@ class Outcome:
     status: str
     latency_s: float
     detail: str = ""
+    sent_at: float = 0.0  # time.monotonic() when it was sent
 
 
 def status_of(response: httpx.Response) -> str:
@@ -132,7 +134,7 @@ def attempt(kind: str, client: httpx.Client) -> Outcome:
         status, detail = CLASSES[kind](client)
     except (httpx.HTTPError, ValueError, KeyError) as error:  # a timeout: a hang
         status, detail = type(error).__name__, str(error)[:300]
-    return Outcome(kind, status, time.monotonic() - start, detail)
+    return Outcome(kind, status, time.monotonic() - start, detail, sent_at=start)
 
 
 def expected(outcome: Outcome) -> bool:
@@ -142,9 +144,16 @@ def expected(outcome: Outcome) -> bool:
 
 class Traffic:
     """Every class at once from its own thread (the bad requests from one thread in
-    turn), plus a burst of ``burst_size`` whole completions every ``burst_period_s``."""
+    turn), plus a burst of ``burst_size`` whole completions every ``burst_period_s``;
+    or, given ``clients``, one thread for each class named there (no bursts)."""
 
-    def __init__(self, url: str, burst_size: int = 24, burst_period_s: float = 10):
+    def __init__(
+        self,
+        url: str,
+        burst_size: int = 24,
+        burst_period_s: float = 10,
+        clients: list[str] | None = None,
+    ):
         self.url, self.burst_size, self.burst_period_s = url, burst_size, burst_period_s
         self.outcomes: list[Outcome] = []
         self._stop = threading.Event()
@@ -152,9 +161,11 @@ class Traffic:
         # Daemons: a client stuck past its timeouts is counted (stop) and never keeps
         # the soak from exiting.
         self._threads = [
-            threading.Thread(target=self._send, args=(k,), daemon=True) for k in steady
+            threading.Thread(target=self._send, args=(k,), daemon=True)
+            for k in (steady if clients is None else [[kind] for kind in clients])
         ]
-        self._threads.append(threading.Thread(target=self._bursts, daemon=True))
+        if clients is None:
+            self._threads.append(threading.Thread(target=self._bursts, daemon=True))
 
     def _client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT)
@@ -192,3 +203,11 @@ class Traffic:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def counts(self, since: float = 0.0, until: float = float("inf")) -> dict[str, Counter]:
+        """Statuses by class of the requests sent in [since, until) (monotonic times)."""
+        counts: dict[str, Counter] = {}
+        for outcome in self.outcomes:
+            if since <= outcome.sent_at < until:
+                counts.setdefault(outcome.kind, Counter())[outcome.status] += 1
+        return counts
