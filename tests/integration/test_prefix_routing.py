@@ -30,9 +30,15 @@ OPENINGS = [
 
 
 def prefix_counters(metrics_url: str) -> tuple[float, float]:
+    """A Triton's prompt tokens queried in and served from its prefix caches, summed
+    over its engine models (a pool of variants has one per loaded variant)."""
     text = httpx.get(f"{metrics_url}/metrics", timeout=10).text
-    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    return samples["vllm:prefix_cache_queries_total"], samples["vllm:prefix_cache_hits_total"]
+    totals = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
 
 
 def served_by(urls: list[str], before: list[tuple[float, float]]) -> int:
