@@ -87,14 +87,10 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
     return {"name": model.deployment_name(), **options}
 
 
-# Ray's PrefixCacheAffinityRouter (ray.serve.llm.request_router re-exports it), named by
-# its defining module: the public one's package imports ray.llm's cloud-storage helpers,
-# which need pyarrow (ray[llm]), and this class needs only ray[serve]. It reads the
-# ``prompt`` of the call's first argument: GenerateParams has one.
-PREFIX_AWARE_ROUTER = (
-    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router."
-    "PrefixCacheAffinityRouter"
-)
+# Ray's PrefixCacheAffinityRouter kept within Serve's multiplexing (serve/routing.py
+# says what Ray's own class gets wrong for variants). It reads the ``prompt`` of the
+# call's first argument: GenerateParams has one.
+PREFIX_AWARE_ROUTER = "serve.routing.VariantPrefixRouter"
 
 
 def prefix_aware_router(model: ModelConfig) -> RequestRouterConfig:

@@ -210,7 +210,8 @@ class ModelConfig(_Strict):
         description="how Serve picks a replica: default (power of two choices on load), "
         "or prefix_aware (Ray's PrefixCacheAffinityRouter: the replica that served the "
         "longest prefix of the prompt, while loads stay within one engine batch of each "
-        "other; docs/prefix-caching.md)",
+        "other; in a pool of variants, among the replicas holding the variant; "
+        "docs/prefix-caching.md)",
     )
     optional: bool = Field(
         False,

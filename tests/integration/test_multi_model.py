@@ -8,11 +8,14 @@ variant's own checkpoint.
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
-from tests.integration.cluster import app_config, triton_index
+from tests.integration.cluster import app_config, triton_http_url, triton_index
 from tests.integration.repositories import repository_with_limits
+from tests.integration.test_prefix_routing import OPENINGS, prefix_counters, served_by
 from tests.integration.variants import build_pool, write_variants
 from tests.reference import hf_greedy
 
@@ -161,3 +164,42 @@ def test_two_replicas_route_each_variant_to_a_replica_that_holds_it(
             assert text(complete(cluster, variant)) == expected[variant]
     after = [loaded_variants(triton_index(r)) for r in replicas]
     assert after == before  # every request went to a replica already holding its variant
+
+
+def test_prefix_aware_routing_keeps_each_variant_on_a_replica_that_holds_it(
+    cluster, pool_repository, variants, tokenizer
+):
+    """routing: prefix_aware over a pool: each request goes to a replica already holding
+    its variant (no second load of any variant), answers with that variant's own text,
+    and a variant's conversation reuses its replica's prefix cache."""
+    from transformers import AutoModelForCausalLM
+
+    cluster.deploy(app_config([pool_model(pool_repository, replicas=2, routing="prefix_aware")]))
+    cluster.wait_running()
+    replicas = cluster.running_replicas("llm", f"Triton-{POOL}")
+    urls = [triton_http_url(r, port="metrics") for r in replicas]
+    models = {
+        v: AutoModelForCausalLM.from_pretrained(variants[v], local_files_only=True).eval()
+        for v in ("ft-a", "ft-b", "ft-c")
+    }
+    served, loaded = {}, None
+    for turn in range(3):
+        for variant, opening in zip(models, OPENINGS, strict=False):
+            prompt = opening + "".join(f" Question {t}: where next?" for t in range(turn + 1))
+            before = [prefix_counters(u) for u in urls]
+            body = {"model": variant, "prompt": prompt, "max_tokens": 6}
+            response = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+            ids = hf_greedy(models[variant], tokenizer, prompt, 6)
+            want = tokenizer.decode(ids, skip_special_tokens=True)
+            assert text(response) == want, (variant, turn)
+            served.setdefault(variant, set()).add(served_by(urls, before))
+        held = [loaded_variants(triton_index(r)) for r in replicas]
+        if loaded is None:  # after each variant's first request: each loaded once
+            loaded = held
+            assert set().union(*held) == set(models), held
+            time.sleep(2)  # the replicas' pushes of what they hold reach the router
+        assert held == loaded, (turn, held)  # no variant was loaded again anywhere
+    assert all(len(s) == 1 for s in served.values()), served
+    assert all(variant in loaded[min(s)] for variant, s in served.items()), (served, loaded)
+    hits = sum(prefix_counters(u)[1] for u in urls)
+    assert hits >= len(models) * 2 * 16  # turns 2 and 3 reused at least a block each

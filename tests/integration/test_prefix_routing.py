@@ -4,10 +4,12 @@ Triton metrics), and that replica's prefix cache serves them."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,6 +18,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.cluster import serve_config, triton_http_url
 from tests.integration.repositories import repository_with_limits
+from tests.integration.test_production import (
+    QUICK_SCALING,
+    TRITON,
+    Load,
+    assert_ok_or_retryable,
+    assert_survived,
+    wait_for,
+    wait_for_replicas,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -30,9 +41,15 @@ OPENINGS = [
 
 
 def prefix_counters(metrics_url: str) -> tuple[float, float]:
+    """A Triton's prompt tokens queried in and served from its prefix caches, summed
+    over its engine models (a pool of variants has one per loaded variant)."""
     text = httpx.get(f"{metrics_url}/metrics", timeout=10).text
-    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    return samples["vllm:prefix_cache_queries_total"], samples["vllm:prefix_cache_hits_total"]
+    totals = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
 
 
 def served_by(urls: list[str], before: list[tuple[float, float]]) -> int:
@@ -139,3 +156,50 @@ def test_a_busy_or_lost_replica_gives_way_to_the_other(cluster, checkpoint_dir, 
     while len(cluster.running_replicas("llm", "Triton-tritonllm-default")) < 2:
         assert time.monotonic() < deadline, "the lost replica was not replaced"
         time.sleep(1)
+
+
+class Conversations(Load):
+    """``clients`` threads, each holding one conversation after another: a fresh
+    opening, then ``turns`` turns that resend the conversation so far."""
+
+    def __init__(self, url: str, clients: int, first: int, turns: int = 3):
+        super().__init__(url, clients, max_tokens=16)
+        self._numbers = itertools.count(first)  # next() is atomic under the GIL
+        self.turns = turns
+
+    def bodies(self) -> Iterator[dict]:
+        while True:
+            number = next(self._numbers)
+            prompt = f"{number}: {OPENINGS[number % len(OPENINGS)]}"
+            for turn in range(self.turns):
+                prompt += f" Question {turn}: where did they go next?"
+                yield {**self.body, "prompt": prompt}
+
+
+def test_autoscaling_adds_a_replica_that_takes_conversations_and_scales_in_losing_none(
+    cluster, built_repository
+):
+    """Prefix affinity does not pin a growing load to the first replica (new
+    conversations go to the replica whose prefix tree holds least), and the replica
+    that leaves takes no request with it (the router drops it from its tree)."""
+    deployment = {"autoscaling_config": QUICK_SCALING}
+    cluster.deploy(serve_config(built_repository, routing="prefix_aware", deployment=deployment))
+    cluster.wait_running()
+    assert len(cluster.running_replicas("llm", TRITON)) == 1
+    with Conversations(cluster.url, clients=1, first=0) as light:
+        with Conversations(cluster.url, clients=5, first=1000) as heavy:
+            replicas = wait_for_replicas(cluster, 2, "a second replica under load")
+            urls = [triton_http_url(r, port="metrics") for r in replicas]
+            wait_for(
+                lambda: all(prefix_counters(u)[0] > 0 for u in urls),
+                60,
+                "both replicas served conversations",
+            )
+        # One conversation at a time is under the target: back to one replica.
+        wait_for_replicas(cluster, 1, "scaled in")
+        scaled_in = time.monotonic()
+        time.sleep(3)
+    assert_survived(light, scaled_in)
+    assert all(not isinstance(r, Exception) for r in heavy.responses()), "a request hung"
+    for response in heavy.responses():
+        assert_ok_or_retryable(response)

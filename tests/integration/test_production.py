@@ -13,6 +13,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -65,10 +66,16 @@ class Load:
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
 
+    def bodies(self) -> Iterator[dict]:
+        """One client's requests, in order."""
+        while True:
+            yield self.body
+
     def _run(self) -> None:
+        bodies = self.bodies()
         while not self._stop.is_set():
             try:
-                response = complete(self.url, **self.body)
+                response = complete(self.url, **next(bodies))
             except httpx.HTTPError as error:  # a timeout here is a failed test
                 response = error
             self.results.append((time.monotonic(), response))
@@ -278,27 +285,34 @@ def hold_stream(url: str, streaming: threading.Event, release: threading.Event) 
     return response.status_code == 200 and "choices" in first
 
 
+def wait_for_replicas(cluster, count: int, what: str) -> list[dict]:
+    """The model's running replicas once there are ``count`` (within 180 s)."""
+
+    def running():
+        replicas = cluster.running_replicas("llm", TRITON)
+        return len(replicas) == count and replicas
+
+    return wait_for(running, 180, what)
+
+
+# One to two replicas, quick to react: two requests at once are a full replica.
+QUICK_SCALING = {
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "target_ongoing_requests": 2,
+    "upscale_delay_s": 1,
+    "downscale_delay_s": 3,
+    "look_back_period_s": 2,
+}
+
+
 def test_load_scales_out_to_a_second_replica_and_back(cluster, built_repository):
-    scaling = {
-        "min_replicas": 1,
-        "max_replicas": 2,
-        "target_ongoing_requests": 2,
-        "upscale_delay_s": 1,
-        "downscale_delay_s": 3,
-        "look_back_period_s": 2,
-    }
-    cluster.deploy(serve_config(built_repository, deployment={"autoscaling_config": scaling}))
+    deployment = {"autoscaling_config": QUICK_SCALING}
+    cluster.deploy(serve_config(built_repository, deployment=deployment))
     cluster.wait_running()
     assert len(cluster.running_replicas("llm", TRITON)) == 1
     with Load(cluster.url, clients=8, max_tokens=64):
-        replicas = wait_for(
-            lambda: (
-                len(cluster.running_replicas("llm", TRITON)) == 2
-                and cluster.running_replicas("llm", TRITON)
-            ),
-            180,
-            "a second replica under load",
-        )
+        replicas = wait_for_replicas(cluster, 2, "a second replica under load")
 
         def both_served():  # one scrape shows every replica's counters
             served = metric_values(
@@ -308,7 +322,7 @@ def test_load_scales_out_to_a_second_replica_and_back(cluster, built_repository)
 
         ids = {r["replica_id"] for r in replicas}
         wait_for(lambda: ids <= both_served(), 90, "both replicas answered requests")
-    wait_for(lambda: len(cluster.running_replicas("llm", TRITON)) == 1, 180, "back to one replica")
+    wait_for_replicas(cluster, 1, "back to one replica")
 
 
 @pytest.mark.parametrize("replicas", [2, 1])

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
+from ray.llm._internal.serve.routing_policies.prefix_aware import prefix_aware_router
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,
+)
+from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.request_router import RequestRouter
 from ray.serve._private.utils import import_attr
 
@@ -37,3 +47,62 @@ def test_prefix_aware_routing_is_for_generate_models():
         AppConfig.model_validate(
             {"models": [{"id": "g"}, {"id": "e", "task": "embed", "routing": "prefix_aware"}]}
         )
+
+
+class LocalTree:
+    """Ray's prefix tree in this process, called as its actor is (``.method.remote()``)."""
+
+    def __init__(self):
+        self.tree = PrefixTree()
+
+    def __getattr__(self, name: str):
+        return SimpleNamespace(remote=getattr(self.tree, name))
+
+
+class Replica:
+    """What the router reads of a running replica: an idle one holding ``variants``."""
+
+    def __init__(self, name: str, variants: set[str]):
+        self.replica_id = ReplicaID(name, DeploymentID(name="Triton-pool", app_name="llm"))
+        self.multiplexed_model_ids = variants
+        self.max_ongoing_requests, self.node_id, self.availability_zone = 32, "n", None
+
+    async def get_queue_len(self, deadline_s: float) -> int:
+        return 0
+
+
+def request(prompt: str, variant: str) -> PendingRequest:
+    metadata = RequestMetadata("r", "r", multiplexed_model_id=variant)
+    return PendingRequest(
+        args=[GenerateParams(prompt=prompt, max_tokens=4)], kwargs={}, metadata=metadata
+    )
+
+
+@pytest.mark.parametrize("seen", [False, True], ids=["new-prompt", "prompt-seen-elsewhere"])
+def test_a_variants_request_goes_only_to_replicas_holding_it(monkeypatch, seen):
+    """Ray's router alone chose among the replicas holding the fewest variants, and its
+    fallback for a new prompt among all replicas: either makes a replica load again."""
+    monkeypatch.setattr(prefix_aware_router, "ray", SimpleNamespace(get=lambda value: value))
+    holder, other = Replica("holder", {"ft-a"}), Replica("other", set())
+
+    async def chosen() -> set[str]:
+        router_class = import_attr(PREFIX_AWARE_ROUTER)
+        router = router_class(
+            deployment_id=holder.replica_id.deployment_id,
+            handle_source=DeploymentHandleSource.UNKNOWN,
+        )
+        router.initialize_state(imbalanced_threshold=8, tree_actor=LocalTree())
+        router.update_replicas([holder, other])
+        if seen:  # the same prompt was served by the other replica for another variant
+            router._tree_actor.tree.insert(
+                "Where is the cat?", other.replica_id.to_full_id_str(), 0
+            )
+        names = set()
+        for _ in range(20):
+            (replicas,) = await router.choose_replicas(
+                router._replicas_list, request("Where is the cat?", "ft-a")
+            )
+            names |= {r.replica_id.unique_id for r in replicas}
+        return names
+
+    assert asyncio.run(chosen()) == {"holder"}
