@@ -60,7 +60,8 @@ def serve_env(mode: str, haproxy_dir: Path | None = None, base: dict | None = No
     replica of its own is up (a stack starting, or replacing its replicas), and
     Serve's proxies listen with SO_REUSEPORT on a fixed default port (8500), so on a
     shared port the kernel hands some of those requests to another instance's proxy,
-    which answers them with its own application.
+    which answers them with its own application. The ingress replicas' own ports
+    (direct ingress) likewise.
     """
     if mode not in SERVE_MODES:
         raise ValueError(f"unknown Serve mode {mode!r}; choose one of {', '.join(SERVE_MODES)}")
@@ -81,7 +82,38 @@ def serve_env(mode: str, haproxy_dir: Path | None = None, base: dict | None = No
             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
             "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
         }
+        # The ingress replicas' own ports (direct ingress), SO_REUSEPORT as well and
+        # allocated from the same default range (30000-31000) by every instance.
+        for protocol in ("HTTP", "GRPC"):
+            first = free_port_range(DIRECT_INGRESS_PORTS)
+            env[f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT"] = str(first)
+            env[f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT"] = str(
+                first + DIRECT_INGRESS_PORTS - 1
+            )
     return env
+
+
+# Ingress replicas of one instance on one node, old and new ones in a rolling update.
+DIRECT_INGRESS_PORTS = 16
+
+
+def free_port_range(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports that are free now."""
+    import socket
+
+    from serve.triton.launcher import free_port
+
+    while True:
+        first = free_port()
+        if first + count > 65535:
+            continue
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
 
 
 def private_haproxy_dir() -> Path:
