@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -99,8 +100,6 @@ DIRECT_INGRESS_PORTS = 16
 
 def free_port_range(count: int) -> int:
     """The first of ``count`` consecutive loopback ports that are free now."""
-    import socket
-
     from serve.triton.launcher import free_port
 
     while True:
