@@ -123,12 +123,16 @@ def test_a_lost_worker_node_is_replaced_while_the_app_keeps_serving(
     cluster = RayCluster(num_cpus=1).start()
     try:
         # Room for the lost replica elsewhere: a third node (one LLM replica per node).
-        workers = [cluster.add_node(f"worker-{i}", num_cpus=2) for i in (1, 2, 3)]
+        # The "worker" resource keeps LLM replicas off the head, which has room for one.
+        workers = [
+            cluster.add_node(f"worker-{i}", num_cpus=2, resources={"worker": 1}) for i in (1, 2, 3)
+        ]
         config = serve_config(
             built_repository,
             deployment={"autoscaling_config": None, "num_replicas": 2, "max_replicas_per_node": 1},
         )
         args = config["applications"][0]["args"]
+        args["models"][0]["deployment"]["ray_actor_options"]["resources"] = {"worker": 0.01}
         embeddings = load_base()["applications"][0]["args"]["models"][1]
         embeddings["triton"]["model_repository"] = str(built_embedding_repository)
         args["models"].append(embeddings)
