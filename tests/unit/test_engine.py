@@ -335,6 +335,54 @@ def test_the_token_budget_spreads_prefills_over_steps(make_engine, tokenizer):
     assert max(s.prefill_tokens for s in observer.steps) <= 12
 
 
+LONG_PROMPT = " ".join(SIXTEEN_PROMPTS)  # ~100 tokens of the tiny model
+
+
+def test_chunked_context_prefills_a_long_prompt_over_steps_with_the_same_output(
+    make_engine, tokenizer, hf_model
+):
+    observer = RecordingObserver()
+    engine = make_engine(
+        max_batch_size=4, max_num_tokens=16, enable_chunked_context=True, observer=observer
+    )
+    prompt_tokens = len(tokenizer.encode(LONG_PROMPT))
+    assert prompt_tokens > 5 * 16
+    sinks = [CollectingSink(), CollectingSink()]
+    engine.submit(
+        request(tokenizer, LONG_PROMPT, 20, rid="whole", exclude_input_in_output=True), sinks[0]
+    )
+    engine.submit(request(tokenizer, LONG_PROMPT, 20, rid="streamed", streaming=True), sinks[1])
+    expected = hf_greedy(hf_model, tokenizer, LONG_PROMPT, 20, end_id=0)
+    for sink in sinks:
+        assert sink.done.wait(60) and not sink.errors
+        assert sink.tokens() == expected
+    assert max(s.prefill_tokens for s in observer.steps) <= 16  # never more than a chunk
+    assert sum(s.prefill_tokens for s in observer.steps) == 2 * prompt_tokens
+
+
+def test_chunked_context_serves_a_short_prompt_before_a_long_one_finishes_its_prefill(
+    make_engine, tokenizer, hf_model
+):
+    engine = make_engine(max_batch_size=4, max_num_tokens=16, enable_chunked_context=True)
+    long, short = CollectingSink(), CollectingSink()
+    engine.submit(request(tokenizer, LONG_PROMPT, 4, rid="long", streaming=True), long)
+    wait_until(lambda: engine.num_running == 1)  # its first chunks are under way
+    engine.submit(request(tokenizer, "Hello", 6, rid="short", streaming=True), short)
+    assert short.done.wait(30) and long.done.wait(30)
+    # Shortest remaining prompt first: "Hello" took the step's budget before the long
+    # prompt's next chunk, and streamed while the long one still had chunks to go.
+    assert short.times[0] < long.times[0]
+    assert short.tokens() == hf_greedy(hf_model, tokenizer, "Hello", 6, end_id=0)
+    assert long.tokens() == hf_greedy(hf_model, tokenizer, LONG_PROMPT, 4, end_id=0)
+
+
+def test_chunked_context_takes_prompts_over_the_token_budget(make_engine, tokenizer):
+    engine = make_engine(max_batch_size=2, max_num_tokens=8, enable_chunked_context=True)
+    sink = CollectingSink()
+    engine.submit(request(tokenizer, "The dog and the cat sat near the window", 4), sink)
+    assert sink.done.wait(30) and sink.chunks[-1].finish_reason == "length"
+
+
 class BrokenSink(CollectingSink):
     def send(self, chunk):
         raise RuntimeError("the response sender is closed")
@@ -356,8 +404,9 @@ def test_prefill_groups_batch_similar_lengths_and_keep_padding_under_half():
     def seq(n):
         return Sequence(GenerationRequest(str(n), (1,) * n, 4), None, None, history=[1] * n)
 
-    groups = _prefill_groups([seq(n) for n in (30, 4, 32, 5, 31, 300)])
-    lengths = [[len(s.history) for s in g] for g in groups]
+    groups = _prefill_groups([(seq(n), n) for n in (30, 4, 32, 5, 31, 300)])
+    lengths = [[size for s, size in g] for g in groups]
+    assert all(len(s.history) == size for g in groups for s, size in g)
     assert sorted(n for g in lengths for n in g) == [4, 5, 30, 31, 32, 300]
     for group in lengths:
         assert len(group) * max(group) <= 2 * sum(group)

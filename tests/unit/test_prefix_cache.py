@@ -179,3 +179,26 @@ def test_sampling_that_differs_per_request_is_the_same_with_the_cache_on_and_off
     on = engines(prefix_cache_mb=4)
     run(on, [tokenizer.encode(SYSTEM + "warm")])  # the prefix is cached before they come
     assert run(on, prompts, each=sampling) == off
+
+
+def test_chunked_context_with_the_cache_gives_the_same_outputs_and_counts(engines, tokenizer):
+    """Chunks start after a cached prefix and after each other; a cancelled or finished
+    sequence mid-prompt saves what it has. Streamed, whole and seeded requests."""
+    observer = RecordingObserver()
+    chunked = engines(
+        prefix_cache_mb=4, max_num_tokens=12, enable_chunked_context=True, observer=observer
+    )
+    prompts = [tokenizer.encode(SYSTEM * 2 + q) for q in QUESTIONS]
+
+    def mixed(i):
+        sampling = SamplingParams(temperature=0.9, seed=i) if i % 2 else SamplingParams()
+        return {"sampling": sampling, "streaming": i % 3 == 0}
+
+    off = run(engines(), prompts, each=mixed)
+    assert run(chunked, prompts[:1], each=mixed) == off[:1]  # then the others hit it
+    assert run(chunked, prompts, each=mixed) == off
+    assert max(s.prefill_tokens for s in observer.steps) <= 12
+    queried = sum(s.prefix_queried_tokens for s in observer.steps)
+    hits = sum(s.prefix_hit_tokens for s in observer.steps)
+    assert hits > 4 * len(tokenizer.encode(SYSTEM))
+    assert sum(s.prefill_tokens for s in observer.steps) == queried - hits
