@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag, kind, text in (
         ("--max-batch-size", int, "sequences the engine runs at once"),
         ("--max-queue-size", int, "queued requests before the engine answers busy"),
-        ("--max-num-tokens", int, "tokens per engine step (longer prompts are rejected)"),
+        ("--max-num-tokens", int, "tokens per engine step (prompt chunks + decodes)"),
         ("--max-seq-len", int, "cap on prompt + output tokens (0: the model's context)"),
         ("--num-threads", int, "torch engine threads (0: all cores prefill, all but one decode)"),
         ("--device", str, "torch engine: auto | cpu | cuda[:N]"),
@@ -113,6 +113,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         field = flag[2:].replace("-", "_")
         default = getattr(defaults, field)
         p.add_argument(flag, type=kind, default=None, help=f"{text} (default {default})")
+    p.add_argument(
+        "--enable-chunked-context",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefill prompts over --max-num-tokens a chunk per step; off: refuse them "
+        "(default on for the torch target; trtllm: its config file's)",
+    )
     p.add_argument(
         "--trtllm-config",
         type=Path,

@@ -35,7 +35,14 @@ BUILD_FIELDS = (
     "gpt_attention_plugin",
 )
 # The engine options of ``python -m build_engines`` that override the file.
-CLI_OVERRIDES = ("max_batch_size", "max_queue_size", "max_num_tokens", "max_seq_len", "dtype")
+CLI_OVERRIDES = (
+    "max_batch_size",
+    "max_queue_size",
+    "max_num_tokens",
+    "max_seq_len",
+    "dtype",
+    "enable_chunked_context",
+)
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 PLUGIN_DTYPES = ("auto", "float16", "bfloat16", "float32", "disable")
 SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")

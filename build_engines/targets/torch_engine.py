@@ -171,6 +171,7 @@ def config_values(o: EngineOptions, checkpoint_ref: str, engine: str = "torch") 
             "engine_max_batch_size": o.max_batch_size,
             "max_queue_size": o.max_queue_size,
             "max_num_tokens": o.max_num_tokens,
+            "enable_chunked_context": str(o.enable_chunked_context).lower(),
             "max_seq_len": o.max_seq_len,
             "device": o.device,
             "dtype": o.dtype,

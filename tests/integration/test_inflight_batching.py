@@ -236,10 +236,12 @@ def test_past_the_queue_bound_requests_are_busy_and_the_server_serves_on(tight_t
     assert generate(url, "Hi", 4).text
 
 
-def test_a_prompt_over_the_step_budget_is_rejected(tight_triton):
-    with pytest.raises(InferenceServerException, match="max_num_tokens"):
-        generate(tight_triton.grpc_url, "The dog and the cat sat near the window " * 3, 4)
-    assert generate(tight_triton.grpc_url, "Hi", 4).text
+def test_a_prompt_over_the_step_budget_is_prefilled_in_chunks(tight_triton, triton):
+    """Chunked context is on by default: a 16-token step budget takes a longer prompt
+    over several steps, with the answer of an engine that prefills it at once."""
+    prompt = "The dog and the cat sat near the window " * 3
+    chunked = generate(tight_triton.grpc_url, prompt, 12, end_id=0)
+    assert chunked.text == generate(triton.grpc_url, prompt, 12, end_id=0).text
 
 
 def test_the_engine_counts_its_tokens(tight_triton):

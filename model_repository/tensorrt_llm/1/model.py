@@ -40,6 +40,7 @@ class TritonPythonModel(DecoupledEngineModel):
             max_queue_size=model_args.int("max_queue_size", 256),
             max_seq_len=model_args.int("max_seq_len", 0) or None,
             max_num_tokens=model_args.int("max_num_tokens", 8192),
+            enable_chunked_context=model_args.bool("enable_chunked_context", False),
             observer=EngineMetrics(pb_utils, args["model_name"]),
             num_threads=model_args.int("num_threads", 0),
             prefix_cache_mb=float(model_args.str("prefix_cache_mb", "0")),
