@@ -9,8 +9,10 @@ replica's cache budget holds about half of the conversations (``--budget-share``
 
 Three applications of one ``serve run``, two Triton replicas each, measured one after
 the other on the same prompts: ``off`` (no prefix cache), ``on`` (the cache, Serve's
-default routing), ``routed`` (the cache and ``routing: prefix_aware``). Then a workload
-with no shared prefix on ``off`` and ``on`` (the cache's cost when it never hits).
+default routing), ``routed`` (the cache and ``routing: prefix_aware``). With
+``--whole-prompts``, two more with chunked context off (each prompt prefilled in one
+step, as before it was on): ``off-whole`` and ``routed-whole``. Then a workload with no
+shared prefix on ``off`` and ``on`` (the cache's cost when it never hits).
 Prefill tokens computed and the hit rate come from the replicas' own Triton metrics.
 Writes ``results.json`` under ``--out`` (docs/bench/prefix.json is one such run).
 """
@@ -24,6 +26,7 @@ import random
 import re
 import shutil
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -39,7 +42,22 @@ from tritonllm.tokenization import load_tokenizer
 
 console = Console(soft_wrap=True, width=150)
 MODEL = "tritonllm-default"
-APPS = {"off": ("off", "default"), "on": ("on", "default"), "routed": ("routed", "prefix_aware")}
+
+
+@dataclass(frozen=True)
+class System:
+    """One application of the run: its engine's settings and its routing."""
+
+    cache: bool
+    routing: str = "default"
+    chunked: bool = True  # chunked context (the build's default); off: whole prompts
+
+
+SYSTEMS = {"off": System(False), "on": System(True), "routed": System(True, "prefix_aware")}
+WHOLE_PROMPTS = {
+    "off-whole": System(False, chunked=False),
+    "routed-whole": System(True, "prefix_aware", chunked=False),
+}
 COUNTERS = {
     "prefill_tokens": "tritonllm_engine_prompt_tokens_total",
     "queried_tokens": "vllm:prefix_cache_queries_total",
@@ -66,44 +84,54 @@ def conversation_prompts(conversations: int, turns: int, prefix_words: int, seed
     ]
 
 
-def repositories(out: Path, first_turns: list[str], share: float) -> tuple[dict, float]:
+def repositories(
+    out: Path, systems: dict[str, System], first_turns: list[str], share: float
+) -> tuple[dict, float]:
     """One build of the bench model, copied per app (each app's Tritons are found by
-    their path): ``off`` with the cache off, the others with a budget that holds
-    ``share`` of the conversations' prefixes, counted with the model's tokenizer."""
+    their path): with the cache, a budget that holds ``share`` of the conversations'
+    prefixes, counted with the model's tokenizer; without chunked context, the step
+    budget of the builds before it (8,192 tokens: a prompt is prefilled at once)."""
     built = build_bench_repository(out / "build", 8, 0)
     tokenizer = load_tokenizer(str(checkpoint_dir(built)))
     prefix_tokens = sum(len(tokenizer.encode(t)) for t in first_turns)
     budget_mb = round(share * prefix_tokens * KV_BYTES_PER_TOKEN / 2**20, 1)
     repos = {}
-    for app in APPS:
+    for app, system in systems.items():
         repos[app] = out / app / "model_repository"
         shutil.rmtree(repos[app], ignore_errors=True)
         shutil.copytree(built, repos[app], symlinks=True)
-        _set_budget(repos[app], 0 if app == "off" else budget_mb)
+        _set_parameter(repos[app], "prefix_cache_mb", budget_mb if system.cache else 0)
+        if not system.chunked:
+            _set_parameter(repos[app], "enable_chunked_context", "false")
+            _set_parameter(repos[app], "max_num_tokens", 8192)
     return repos, budget_mb
 
 
-def _set_budget(repository: Path, budget_mb: float) -> None:
+def _set_parameter(repository: Path, key: str, value) -> None:
+    """Rewrite one parameter of the built engine's config.pbtxt."""
     config = repository / "tensorrt_llm" / "config.pbtxt"
-    text = re.sub(
-        r'(key: "prefix_cache_mb" value: \{ string_value: ")[^"]*"',
-        lambda match: f'{match.group(1)}{budget_mb}"',
+    text, found = re.subn(
+        rf'(key: "{key}" value: \{{ string_value: ")[^"]*"',
+        lambda match: f'{match.group(1)}{value}"',
         config.read_text(),
     )
+    if not found:
+        raise KeyError(f"{config} has no parameter {key}")
     config.write_text(text)
 
 
-def serve_config(repos: dict[str, Path], port: int) -> dict:
+def serve_config(systems: dict[str, System], repos: dict[str, Path], port: int) -> dict:
     shipped = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
     base = shipped["applications"][0]
     model = next(m for m in base["args"]["models"] if m.get("task", "generate") == "generate")
     applications = []
-    for app, (name, routing) in APPS.items():
+    for name, system in systems.items():
         deployment = {**model["deployment"], "num_replicas": 2}
         deployment.pop("autoscaling_config", None)
         # Six replicas on a small machine: only two of them work at a time.
         deployment["ray_actor_options"] = {"num_cpus": 0.25}
-        llm = {**model, "triton": {"model_repository": str(repos[app])}, "routing": routing}
+        llm = {**model, "triton": {"model_repository": str(repos[name])}}
+        llm["routing"] = system.routing
         llm["deployment"] = deployment
         args = {**base["args"], "models": [llm]}
         applications.append({**base, "name": name, "route_prefix": f"/{name}", "args": args})
@@ -183,6 +211,11 @@ def parse_args(argv):
         help="no-prefix runs of off and on, alternated (the machine's drift hits both)",
     )
     p.add_argument("--skip-shared", action="store_true", help="the no-prefix runs only")
+    p.add_argument(
+        "--whole-prompts",
+        action="store_true",
+        help="also off-whole and routed-whole: chunked context off (what it buys)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "build" / "bench-prefix")
     return p.parse_args(argv)
 
@@ -192,29 +225,36 @@ async def run(args, url: str, repos: dict[str, Path], prompts: list[str]) -> dic
     if not args.skip_shared:
         shared = [
             await measure(app, url, repos[app], prompts, args.concurrency, args.output_len)
-            for app in APPS
+            for app in repos
         ]
     unique = []
     if args.unique_prompts:
         for round_ in range(args.rounds):
             fresh = make_prompts(args.unique_prompts, 250, seed=7 + round_)  # never cached
-            for app in ("off", "on"):
+            for app in ("off", "on", "off-whole") if "off-whole" in repos else ("off", "on"):
                 result = await measure(
                     app, url, repos[app], fresh, args.concurrency, 4 * args.output_len
                 )
                 unique.append({**result, "round": round_})
-    return {
+    results = {
         "shared_prefix": shared,
         "no_shared_prefix": unique,
         "no_shared_prefix_on_over_off": _median_ratio(unique, "output_tokens_per_s"),
     }
+    if "off-whole" in repos:  # what chunked context costs where it cannot help
+        results["no_shared_prefix_off_over_off_whole"] = _median_ratio(
+            unique, "output_tokens_per_s", "off", "off-whole"
+        )
+    return results
 
 
-def _median_ratio(results: list[dict], key: str) -> float | None:
-    """Median of ``on``'s rounds over median of ``off``'s."""
-    off = [r[key] for r in results if r["system"] == "off"]
-    on = [r[key] for r in results if r["system"] == "on"]
-    return statistics.median(on) / statistics.median(off) if off and on else None
+def _median_ratio(results: list[dict], key: str, over: str = "on", under: str = "off"):
+    """Median of ``over``'s rounds over median of ``under``'s (None: either is missing)."""
+    under_values = [r[key] for r in results if r["system"] == under]
+    over_values = [r[key] for r in results if r["system"] == over]
+    if not (under_values and over_values):
+        return None
+    return statistics.median(over_values) / statistics.median(under_values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,9 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = conversation_prompts(args.conversations, args.turns, args.prefix_words)
-    repos, budget_mb = repositories(args.out, prompts[: args.conversations], args.budget_share)
-    config = serve_config(repos, free_port())
-    ready = tuple(f"/{app}/v1/models" for app in APPS)
+    systems = {**SYSTEMS, **(WHOLE_PROMPTS if args.whole_prompts else {})}
+    first_turns = prompts[: args.conversations]
+    repos, budget_mb = repositories(args.out, systems, first_turns, args.budget_share)
+    config = serve_config(systems, repos, free_port())
+    ready = tuple(f"/{app}/v1/models" for app in systems)
     with serve_run(config, args.out, "default", ready_paths=ready) as url:
         results = asyncio.run(run(args, url, repos, prompts))
     results["workload"] = {
