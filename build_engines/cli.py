@@ -101,7 +101,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag, kind, text in (
         ("--max-batch-size", int, "sequences the engine runs at once"),
         ("--max-queue-size", int, "queued requests before the engine answers busy"),
-        ("--max-num-tokens", int, "tokens per engine step (prompt chunks + decodes)"),
+        (
+            "--max-num-tokens",
+            int,
+            "tokens per engine step (prompts or their chunks, and decodes)",
+        ),
         ("--max-seq-len", int, "cap on prompt + output tokens (0: the model's context)"),
         ("--num-threads", int, "torch engine threads (0: all cores prefill, all but one decode)"),
         ("--device", str, "torch engine: auto | cpu | cuda[:N]"),
@@ -118,7 +122,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="prefill prompts over --max-num-tokens a chunk per step; off: refuse them "
-        "(default on for the torch target; trtllm: its config file's)",
+        "(default off; trtllm: its config file's)",
     )
     p.add_argument(
         "--trtllm-config",

@@ -30,12 +30,11 @@ class EngineOptions:
     triton_max_batch_size: int = 64  # the batch dimension Triton accepts per request
     max_batch_size: int = 8  # sequences the engine runs at once
     max_queue_size: int = 256  # requests waiting for a slot before "busy"
-    # Prefill + decode tokens per engine step. With chunked context a longer prompt is
-    # prefilled over several steps, so a step's time stays short (512 tokens of the
-    # bench model take ~0.25 s on 2 CPU cores: a prefix cache hit arriving behind a long
-    # prompt waits that long for its first token, not the whole prompt's prefill).
-    max_num_tokens: int = 512
-    enable_chunked_context: bool = True  # off: prompts over max_num_tokens are refused
+    max_num_tokens: int = 8192  # prefill + decode tokens per engine step
+    # On: a prompt over max_num_tokens is prefilled a chunk per step (off: refused).
+    # Off by default, as in TensorRT-LLM: on CPU its chunks cost more than they bought
+    # on make bench-prefix (docs/cpu-engine.md).
+    enable_chunked_context: bool = False
     max_seq_len: int = 0  # prompt + output cap; 0: the model's max_position_embeddings
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
     dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
