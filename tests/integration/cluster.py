@@ -1,9 +1,9 @@
 """A real Ray cluster for the tests: ``ray start --head`` and ``serve deploy``, as a user runs it.
 
-Ray 2.60's ``ray start --head`` turns token authentication on (the token lands in
-``~/.ray/auth_token``), but the ``serve`` CLI only sends it when
-``RAY_AUTH_MODE=token`` is set: docs/operations.md's cluster commands set it, and so does
-this harness.
+Token authentication is on, as docker/compose.yaml runs it: every ``ray`` and
+``serve`` command gets ``RAY_AUTH_MODE=token`` and a token of this cluster's own in
+``RAY_AUTH_TOKEN`` (the ``serve`` CLI sends it only in that mode; with the mode set and
+no token, ``ray start`` refuses, which a fresh machine has unless it was given one).
 
 The cluster runs in the Serve mode ``make run`` and the images ship
 (:mod:`serve.launch`: Ray's high-throughput mode, HAProxy in front), HAProxy with
@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -66,7 +67,8 @@ class RayCluster:
         self.http_port = free_port()
         self.num_cpus = num_cpus
         self.haproxy_dir = private_haproxy_dir()
-        self.env = serve_env("throughput", self.haproxy_dir) | {"RAY_AUTH_MODE": "token"}
+        self.env = serve_env("throughput", self.haproxy_dir)
+        self.env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
         self.env |= env or {}
         self.nodes: list[RayNode] = []
 
@@ -134,8 +136,7 @@ class RayCluster:
         )
 
     def _auth(self) -> dict[str, str]:
-        path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
-        return {"Authorization": f"Bearer {path.read_text().strip()}"}
+        return {"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"}
 
     def deploy(self, config: dict) -> None:
         """``serve deploy`` of a Serve config (its HTTP port set to this cluster's)."""
