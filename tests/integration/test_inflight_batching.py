@@ -87,8 +87,11 @@ def test_sixteen_staggered_requests_each_equal_generate_alone(triton, tokenizer,
 def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(triton):
     seeded = dict(temperature=1.2, top_p=0.9, top_k=50, seed=99, exclude_input_in_output=True)
     alone = generate(triton.grpc_url, "The robot", 30, end_id=0, **seeded).text
+    # min_tokens keeps the neighbours running while "busy" runs (CI once saw them all
+    # finish before the poll below caught three of them at once).
+    long = {"end_id": 0, "min_tokens": 200}
     neighbours = [
-        threading.Thread(target=generate, args=(triton.grpc_url, p, 60), kwargs={"end_id": 0})
+        threading.Thread(target=generate, args=(triton.grpc_url, p, 200), kwargs=long)
         for p in SIXTEEN_PROMPTS[:6]
     ]
     for thread in neighbours:
@@ -209,13 +212,15 @@ def test_an_ensemble_request_is_stopped_by_its_request_id(triton, tokenizer):
 
 @pytest.fixture(scope="module")
 def tight_triton(checkpoint_dir, tmp_path_factory):
-    """The same checkpoint under tight limits: one slot, one queued request, 16-token steps."""
+    """The same checkpoint under tight limits: one slot, one queued request, 16-token
+    steps (longer prompts prefilled in chunks)."""
     from serve.triton.launcher import TritonProcess
 
     repository = repository_with_limits(
         checkpoint_dir,
         tmp_path_factory.mktemp("tight") / "model_repository",
         *("--max-batch-size", "1", "--max-queue-size", "1", "--max-num-tokens", "16"),
+        "--enable-chunked-context",
     )
     with TritonProcess(repository).start(timeout_s=180) as server:
         yield server
@@ -237,8 +242,8 @@ def test_past_the_queue_bound_requests_are_busy_and_the_server_serves_on(tight_t
 
 
 def test_a_prompt_over_the_step_budget_is_prefilled_in_chunks(tight_triton, triton):
-    """Chunked context is on by default: a 16-token step budget takes a longer prompt
-    over several steps, with the answer of an engine that prefills it at once."""
+    """With chunked context a 16-token step budget takes a longer prompt over several
+    steps, with the answer of an engine that prefills it at once (the default build)."""
     prompt = "The dog and the cat sat near the window " * 3
     chunked = generate(tight_triton.grpc_url, prompt, 12, end_id=0)
     assert chunked.text == generate(triton.grpc_url, prompt, 12, end_id=0).text
