@@ -100,7 +100,8 @@ def held_stream(url: str, prompt: str, release: threading.Event) -> str:
 
 def test_a_busy_or_lost_replica_gives_way_to_the_other(cluster, checkpoint_dir, tmp_path):
     """Affinity yields to load (an engine batch of imbalance) and to replica loss (the
-    ingress retries a request whose replica died before answering)."""
+    ingress retries once a request whose replica died before answering, and the retry
+    goes elsewhere)."""
     # Two sequences per engine: the router balances once one replica has 2 more queued.
     repository = repository_with_limits(
         checkpoint_dir, tmp_path / "model_repository", "--max-batch-size", "2"
@@ -117,17 +118,12 @@ def test_a_busy_or_lost_replica_gives_way_to_the_other(cluster, checkpoint_dir, 
     urls = [triton_http_url(r, port="metrics") for r in replicas]
     prompt = OPENINGS[0] + " Question 0: where did they go next?"
 
-    def complete() -> int:
-        """The replica that served one turn of the conversation."""
-        before = [prefix_counters(u) for u in urls]
-        body = {"model": "tritonllm-default", "prompt": prompt, "max_tokens": 4}
-        response = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        return served_by(urls, before)
-
-    home = complete()
+    body = {"model": "tritonllm-default", "prompt": prompt, "max_tokens": 4}
+    response = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text  # one replica holds the prefix now
     # Six long streams of the same conversation at once: affinity alone would queue all
-    # six on `home` (whose engine admits two); the router sends the rest by load.
+    # six on the replica holding the prefix (its engine admits two); the router sends
+    # the rest by load.
     before = [prefix_counters(u) for u in urls]
     release = threading.Event()
     with ThreadPoolExecutor(6) as pool:
@@ -143,12 +139,25 @@ def test_a_busy_or_lost_replica_gives_way_to_the_other(cluster, checkpoint_dir, 
         assert all(f.startswith("200 ") and "choices" in f for f in firsts), firsts
     assert all(admitted), "every stream queued on the replica holding the prefix"
 
-    # The replica holding the prefix dies (its Triton with it): the next turn is
-    # answered, by the other replica, and Serve replaces the lost one.
-    survivor = 1 - home
-    os.kill(replicas[home]["pid"], signal.SIGKILL)
-    before = prefix_counters(urls[survivor])
+    # Both replicas now hold the prefix. The one serving the next turn dies (its Triton
+    # with it) while the turn is in flight, nothing answered yet: the ingress retries it
+    # once, and the router sends the retry to the other replica, not back to the dead
+    # one that holds the prefix; Serve replaces the lost one.
+    before = [prefix_counters(u) for u in urls]
+    body = {"model": "tritonllm-default", "prompt": prompt, "max_tokens": 300}
+    body["min_tokens"] = 300  # a few seconds of decoding: time to kill its replica
+    with ThreadPoolExecutor(1) as pool:
+        turn = pool.submit(httpx.post, f"{cluster.url}/v1/completions", json=body, timeout=150)
+        victim = served_by(urls, before)
+        os.kill(replicas[victim]["pid"], signal.SIGKILL)
+        response = turn.result(timeout=180)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 300
+    survivor = 1 - victim
+    assert prefix_counters(urls[survivor])[0] > before[survivor][0]  # the retry ran there
+    # The next turn goes to the survivor at once (the router dropped the dead replica).
     body = {"model": "tritonllm-default", "prompt": prompt, "max_tokens": 4}
+    before = prefix_counters(urls[survivor])
     response = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     assert served_by([urls[survivor]], [before]) == 0
