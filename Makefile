@@ -194,6 +194,7 @@ clean: clean-engines
 
 # Prefix caching and prefix-aware routing on the bench model, side by side: cache off,
 # cache on + Serve's default routing, cache on + routing: prefix_aware (two replicas
-# each), then a workload with no shared prefix (docs/prefix-caching.md).
+# each), then a workload with no shared prefix (docs/prefix-caching.md). The docs' run:
+# BENCH_ARGS="--chunked-context 512 --shared-rounds 3" (chunked context's systems too).
 bench-prefix: venv-dev
 	$(PY) -m bench.prefix $(BENCH_ARGS)

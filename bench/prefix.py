@@ -10,9 +10,9 @@ replica's cache budget holds about half of the conversations (``--budget-share``
 Three applications of one ``serve run``, two Triton replicas each, measured one after
 the other on the same prompts: ``off`` (no prefix cache), ``on`` (the cache, Serve's
 default routing), ``routed`` (the cache and ``routing: prefix_aware``). With
-``--whole-prompts``, two more with chunked context off (each prompt prefilled in one
-step, as before it was on): ``off-whole`` and ``routed-whole``. Then a workload with no
-shared prefix on ``off`` and ``on`` (the cache's cost when it never hits).
+``--chunked-context N``, two more with chunked context on and N-token steps:
+``off-chunked`` and ``routed-chunked``. Then a workload with no shared prefix on
+``off`` and ``on`` (the cache's cost when it never hits).
 Prefill tokens computed and the hit rate come from the replicas' own Triton metrics.
 Writes ``results.json`` under ``--out`` (docs/bench/prefix.json is one such run).
 """
@@ -50,13 +50,13 @@ class System:
 
     cache: bool
     routing: str = "default"
-    chunked: bool = True  # chunked context (the build's default); off: whole prompts
+    chunked: bool = False  # chunked context (off: the build's default)
 
 
 SYSTEMS = {"off": System(False), "on": System(True), "routed": System(True, "prefix_aware")}
-WHOLE_PROMPTS = {
-    "off-whole": System(False, chunked=False),
-    "routed-whole": System(True, "prefix_aware", chunked=False),
+CHUNKED = {
+    "off-chunked": System(False, chunked=True),
+    "routed-chunked": System(True, "prefix_aware", chunked=True),
 }
 COUNTERS = {
     "prefill_tokens": "tritonllm_engine_prompt_tokens_total",
@@ -67,10 +67,11 @@ KV_BYTES_PER_TOKEN = 2 * 10 * 4 * 64 * 4  # bench model: K and V, 10 layers, 4 k
 
 
 def conversation_prompts(conversations: int, turns: int, prefix_words: int, seed: int = 0):
-    """Round by round: turn t of every conversation (its prefix and t short questions)."""
+    """Round by round: turn t of every conversation (its prefix and t short questions).
+    Another ``seed`` gives other conversations, sharing no prefix with these."""
     rng = random.Random(seed)
     prefixes = [
-        f"Conversation {c}. " + " ".join(rng.choice(WORDS) for _ in range(prefix_words))
+        f"Conversation {seed}-{c}. " + " ".join(rng.choice(WORDS) for _ in range(prefix_words))
         for c in range(conversations)
     ]
     questions = [
@@ -85,12 +86,12 @@ def conversation_prompts(conversations: int, turns: int, prefix_words: int, seed
 
 
 def repositories(
-    out: Path, systems: dict[str, System], first_turns: list[str], share: float
+    out: Path, systems: dict[str, System], first_turns: list[str], share: float, step: int
 ) -> tuple[dict, float]:
     """One build of the bench model, copied per app (each app's Tritons are found by
     their path): with the cache, a budget that holds ``share`` of the conversations'
-    prefixes, counted with the model's tokenizer; without chunked context, the step
-    budget of the builds before it (8,192 tokens: a prompt is prefilled at once)."""
+    prefixes, counted with the model's tokenizer; with chunked context, ``step``-token
+    steps."""
     built = build_bench_repository(out / "build", 8, 0)
     tokenizer = load_tokenizer(str(checkpoint_dir(built)))
     prefix_tokens = sum(len(tokenizer.encode(t)) for t in first_turns)
@@ -101,9 +102,9 @@ def repositories(
         shutil.rmtree(repos[app], ignore_errors=True)
         shutil.copytree(built, repos[app], symlinks=True)
         _set_parameter(repos[app], "prefix_cache_mb", budget_mb if system.cache else 0)
-        if not system.chunked:
-            _set_parameter(repos[app], "enable_chunked_context", "false")
-            _set_parameter(repos[app], "max_num_tokens", 8192)
+        if system.chunked:
+            _set_parameter(repos[app], "enable_chunked_context", "true")
+            _set_parameter(repos[app], "max_num_tokens", step)
     return repos, budget_mb
 
 
@@ -128,8 +129,9 @@ def serve_config(systems: dict[str, System], repos: dict[str, Path], port: int) 
     for name, system in systems.items():
         deployment = {**model["deployment"], "num_replicas": 2}
         deployment.pop("autoscaling_config", None)
-        # Six replicas on a small machine: only two of them work at a time.
-        deployment["ray_actor_options"] = {"num_cpus": 0.25}
+        # Two replicas per system on a small machine: only two of them work at a time,
+        # and all must fit the machine's CPUs, or some are never scheduled.
+        deployment["ray_actor_options"] = {"num_cpus": round(0.5 / len(systems), 2)}
         llm = {**model, "triton": {"model_repository": str(repos[name])}}
         llm["routing"] = system.routing
         llm["deployment"] = deployment
@@ -210,42 +212,66 @@ def parse_args(argv):
         default=3,
         help="no-prefix runs of off and on, alternated (the machine's drift hits both)",
     )
+    p.add_argument(
+        "--shared-rounds",
+        type=int,
+        default=1,
+        help="shared-prefix runs of every system, each on fresh conversations, the "
+        "systems' order rotated each round; the table is of medians",
+    )
     p.add_argument("--skip-shared", action="store_true", help="the no-prefix runs only")
     p.add_argument(
-        "--whole-prompts",
-        action="store_true",
-        help="also off-whole and routed-whole: chunked context off (what it buys)",
+        "--chunked-context",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also off-chunked and routed-chunked: chunked context on, N-token steps",
     )
     p.add_argument("--out", type=Path, default=ROOT / "build" / "bench-prefix")
     return p.parse_args(argv)
 
 
-async def run(args, url: str, repos: dict[str, Path], prompts: list[str]) -> dict:
+async def run(args, url: str, repos: dict[str, Path]) -> dict:
     shared = []
-    if not args.skip_shared:
-        shared = [
-            await measure(app, url, repos[app], prompts, args.concurrency, args.output_len)
-            for app in repos
-        ]
+    apps = list(repos)
+    for round_ in range(0 if args.skip_shared else args.shared_rounds):
+        prompts = conversation_prompts(
+            args.conversations, args.turns, args.prefix_words, seed=round_
+        )
+        for app in apps[round_ % len(apps) :] + apps[: round_ % len(apps)]:
+            result = await measure(app, url, repos[app], prompts, args.concurrency, args.output_len)
+            shared.append({**result, "round": round_})
     unique = []
     if args.unique_prompts:
         for round_ in range(args.rounds):
             fresh = make_prompts(args.unique_prompts, 250, seed=7 + round_)  # never cached
-            for app in ("off", "on", "off-whole") if "off-whole" in repos else ("off", "on"):
+            for app in ("off", "on", "off-chunked") if "off-chunked" in repos else ("off", "on"):
                 result = await measure(
                     app, url, repos[app], fresh, args.concurrency, 4 * args.output_len
                 )
                 unique.append({**result, "round": round_})
     results = {
         "shared_prefix": shared,
+        "shared_prefix_medians": _medians(shared, apps),
         "no_shared_prefix": unique,
         "no_shared_prefix_on_over_off": _median_ratio(unique, "output_tokens_per_s"),
     }
-    if "off-whole" in repos:  # what chunked context costs where it cannot help
-        results["no_shared_prefix_off_over_off_whole"] = _median_ratio(
-            unique, "output_tokens_per_s", "off", "off-whole"
+    if "off-chunked" in repos:  # what chunked context costs where nothing hits
+        results["no_shared_prefix_off_chunked_over_off"] = _median_ratio(
+            unique, "output_tokens_per_s", "off-chunked", "off"
         )
     return results
+
+
+def _medians(results: list[dict], apps: list[str]) -> dict[str, dict[str, float]]:
+    """Per system, the median over its rounds of each figure of the table."""
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "output_tokens_per_s", "prefill_tokens", "hit_rate")
+    medians = {}
+    for app in apps:
+        rounds = [r for r in results if r["system"] == app]
+        if rounds:
+            medians[app] = {k: statistics.median(r[k] for r in rounds) for k in keys}
+    return medians
 
 
 def _median_ratio(results: list[dict], key: str, over: str = "on", under: str = "off"):
@@ -264,19 +290,22 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = conversation_prompts(args.conversations, args.turns, args.prefix_words)
-    systems = {**SYSTEMS, **(WHOLE_PROMPTS if args.whole_prompts else {})}
-    first_turns = prompts[: args.conversations]
-    repos, budget_mb = repositories(args.out, systems, first_turns, args.budget_share)
+    systems = {**SYSTEMS, **(CHUNKED if args.chunked_context else {})}
+    first_turns = prompts[: args.conversations]  # every round's are about as long
+    repos, budget_mb = repositories(
+        args.out, systems, first_turns, args.budget_share, args.chunked_context
+    )
     config = serve_config(systems, repos, free_port())
     ready = tuple(f"/{app}/v1/models" for app in systems)
     with serve_run(config, args.out, "default", ready_paths=ready) as url:
-        results = asyncio.run(run(args, url, repos, prompts))
+        results = asyncio.run(run(args, url, repos))
     results["workload"] = {
         **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "budget_mb_per_replica": budget_mb,
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     console.print_json(json.dumps(results["workload"]))
+    console.print_json(json.dumps(results["shared_prefix_medians"]))
     return 0
 
 
