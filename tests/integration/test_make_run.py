@@ -65,6 +65,9 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: a session of its own, the pty its terminal
             os.chdir(cwd)
+            # As a login shell starts it: a runner that started these tests in the
+            # background (bash's `&`) left SIGINT ignored, which exec would pass on.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execvpe(argv[0], argv, env)
         self.log = log
         self.status: str | None = None
