@@ -7,12 +7,14 @@ and ``--turns`` short turns; round ``t`` sends turn ``t`` of every conversation,
 conversation runs once (a replica that sees them all needs them all cached). Each
 replica's cache budget holds about half of the conversations (``--budget-share``).
 
-Three applications of one ``serve run``, two Triton replicas each, measured one after
-the other on the same prompts: ``off`` (no prefix cache), ``on`` (the cache, Serve's
-default routing), ``routed`` (the cache and ``routing: prefix_aware``). With
-``--chunked-context N``, two more with chunked context on and N-token steps:
-``off-chunked`` and ``routed-chunked``. Then a workload with no shared prefix on
-``off`` and ``on`` (the cache's cost when it never hits).
+Three applications of one ``serve run``, two Triton replicas each: ``off`` (no prefix
+cache), ``on`` (the cache, Serve's default routing), ``routed`` (the cache and
+``routing: prefix_aware``). With ``--chunked-context N``, two more with chunked context
+on and N-token steps: ``off-chunked`` and ``routed-chunked``. Each of
+``--shared-rounds`` rounds measures every system one after the other on fresh
+conversations, the order rotated; the results hold every round and the medians. Then
+a workload with no shared prefix on ``off``, ``on`` (the cache's cost when it never
+hits) and ``off-chunked``, alternated ``--rounds`` times.
 Prefill tokens computed and the hit rate come from the replicas' own Triton metrics.
 Writes ``results.json`` under ``--out`` (docs/bench/prefix.json is one such run).
 """
@@ -210,7 +212,7 @@ def parse_args(argv):
         "--rounds",
         type=int,
         default=3,
-        help="no-prefix runs of off and on, alternated (the machine's drift hits both)",
+        help="no-prefix runs of off, on (and off-chunked), alternated: drift hits them all",
     )
     p.add_argument(
         "--shared-rounds",
@@ -245,7 +247,7 @@ async def run(args, url: str, repos: dict[str, Path]) -> dict:
     if args.unique_prompts:
         for round_ in range(args.rounds):
             fresh = make_prompts(args.unique_prompts, 250, seed=7 + round_)  # never cached
-            for app in ("off", "on", "off-chunked") if "off-chunked" in repos else ("off", "on"):
+            for app in [a for a in ("off", "on", "off-chunked") if a in repos]:
                 result = await measure(
                     app, url, repos[app], fresh, args.concurrency, 4 * args.output_len
                 )
