@@ -70,17 +70,35 @@ def render_dynamic_batching(batching: DynamicBatching, max_batch_size: int) -> s
     )
 
 
+def render_extension_maps(kind: str, tensors: Iterable[contract.Tensor]) -> str:
+    """The ensemble's ``input_map``/``output_map`` lines of the tensorrt_llm step for
+    our engine extensions (each ensemble tensor named as the engine's)."""
+    return "\n".join(
+        f'      {kind}_map {{ key: "{t.name}" value: "{t.name}" }}'
+        for t in tensors
+        if t.engine_extension
+    )
+
+
 def fill(
     template: Path,
     model: str,
     values: dict[str, object],
     tensorrtllm: bool = False,
     ragged: bool = False,
+    engine_extensions: bool = True,
 ) -> str:
+    """``template`` filled for ``model``. ``engine_extensions=False``: without our
+    tensors of the tensorrt_llm step (a TensorRT-LLM backend there has none)."""
     inputs, outputs = contract.ALL_MODELS[model]
+    if not engine_extensions:
+        inputs = [t for t in inputs if not t.engine_extension]
+        outputs = [t for t in outputs if not t.engine_extension]
     mapping = {
         "inputs": render_tensors("input", inputs, tensorrtllm, ragged),
         "outputs": render_tensors("output", outputs, tensorrtllm),
+        "engine_extension_input_maps": render_extension_maps("input", inputs),
+        "engine_extension_output_maps": render_extension_maps("output", outputs),
         **{k: str(v) for k, v in values.items()},
     }
     try:

@@ -30,10 +30,30 @@ class GenerateParams:
     min_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # generate max_tokens whatever the model's end token
-    return_log_probs: bool = False
+    return_log_probs: bool = False  # the chosen tokens' log probabilities
+    top_log_probs: int = 0  # with them, this many most likely alternatives per token
+    prompt_log_probs: bool = False  # the prompt's tokens' too (completions' echo)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit
     prompt_token_ids: tuple[int, ...] = ()  # a prompt the client tokenized itself
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     variant: str | None = None  # a multiplexed pool's variant (its own Triton ensemble)
+
+
+@dataclass(frozen=True)
+class TopLogProbs:
+    """One position's most likely tokens and their log probabilities, most likely first."""
+
+    token_ids: tuple[int, ...]
+    log_probs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class PromptLogProbs:
+    """The prompt's tokens as the engine read them, with their log probabilities."""
+
+    token_ids: tuple[int, ...]
+    log_probs: tuple[float | None, ...]  # None for the first token
+    top_log_probs: tuple[TopLogProbs | None, ...] = ()  # None for the first token
 
 
 @dataclass(frozen=True)
@@ -48,6 +68,13 @@ class GenerationChunk:
     # With ``return_log_probs``: the new tokens' ids and each one's log probability.
     token_ids: tuple[int, ...] = ()
     token_log_probs: tuple[float, ...] = ()
+    # With ``top_log_probs``: each new token's alternatives, most likely first.
+    top_log_probs: tuple[TopLogProbs, ...] = ()
+    # With ``prompt_log_probs``, on the first chunk only: the prompt's ids, each one's
+    # log probability (None for the first token: nothing comes before it) and its
+    # alternatives.
+    prompt: PromptLogProbs | None = None
+    num_cached_tokens: int = 0  # prompt tokens read from the engine's prefix cache
 
     def merged(self, later: GenerationChunk) -> GenerationChunk:
         """One chunk for this one and the ``later`` one of the same answer (OpenAI's
@@ -60,6 +87,9 @@ class GenerationChunk:
             finish_reason=later.finish_reason,
             token_ids=self.token_ids + later.token_ids,
             token_log_probs=self.token_log_probs + later.token_log_probs,
+            top_log_probs=self.top_log_probs + later.top_log_probs,
+            prompt=self.prompt or later.prompt,
+            num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
         )
 
 

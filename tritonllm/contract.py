@@ -21,6 +21,9 @@ class Tensor:
     triton_dtype: str  # as written in config.pbtxt, e.g. "TYPE_INT32"
     dims: tuple[int, ...]
     optional: bool = False
+    # Ours, read or written by the tensorrt_llm step, which TensorRT-LLM's backends lack:
+    # the trtllm targets' configs leave these out (the API refuses what needs them).
+    engine_extension: bool = False
 
     @property
     def numpy_dtype(self) -> type:
@@ -50,10 +53,35 @@ def _opt(name: str, dtype: str, *dims: int) -> Tensor:
     return _t(name, dtype, *dims, optional=True)
 
 
+def _ext(name: str, dtype: str, *dims: int, optional: bool = False) -> Tensor:
+    return Tensor(name, f"TYPE_{dtype}", tuple(dims), optional, engine_extension=True)
+
+
 ENSEMBLE = "ensemble"
 PREPROCESSING = "preprocessing"
 TENSORRT_LLM = "tensorrt_llm"
 POSTPROCESSING = "postprocessing"
+
+# Ours, beside upstream's tensors of the ensemble and the tensorrt_llm step (the torch
+# engine serves them; TensorRT-LLM's backends do not). With return_log_probs, this many
+# alternatives per generated token (0-20), and the prompt's own log probabilities
+# (completions' echo).
+_ENGINE_EXTENSION_INPUTS = (
+    _ext("num_top_log_probs", "INT32", 1, optional=True),
+    _ext("return_prompt_log_probs", "BOOL", 1, optional=True),
+)
+
+# A response carries these when asked for; the prompt's and the cache count on a
+# request's first response only.
+_ENGINE_EXTENSION_OUTPUTS = (
+    _ext("top_log_probs", "FP32", -1, -1),  # [new tokens, k]
+    _ext("top_token_ids", "INT32", -1, -1),
+    _ext("prompt_token_ids", "INT32", -1),
+    _ext("prompt_log_probs", "FP32", -1),  # the first token's is 0: nothing precedes it
+    _ext("prompt_top_log_probs", "FP32", -1, -1),  # [prompt tokens, k]
+    _ext("prompt_top_token_ids", "INT32", -1, -1),
+    _ext("num_cached_tokens", "INT32", 1),  # prompt tokens read from the prefix cache
+)
 
 ENSEMBLE_INPUTS = (
     _t("text_input", "STRING", 1),
@@ -80,7 +108,14 @@ ENSEMBLE_INPUTS = (
     _opt("return_log_probs", "BOOL", 1),
     _opt("return_num_input_tokens", "BOOL", 1),
     _opt("return_num_output_tokens", "BOOL", 1),
+    # Per-token biases added to the logits before sampling (OpenAI's logit_bias):
+    # upstream's words and weights, or (ours) token ids with the weights.
+    _opt("embedding_bias_words", "STRING", -1),
+    _opt("embedding_bias_weights", "FP32", -1),
+    _opt("embedding_bias_token_ids", "INT32", -1),
+    *_ENGINE_EXTENSION_INPUTS,
 )
+
 
 ENSEMBLE_OUTPUTS = (
     _t("text_output", "STRING", -1),
@@ -92,6 +127,7 @@ ENSEMBLE_OUTPUTS = (
     _t("num_input_tokens", "INT32", 1),
     _t("num_output_tokens", "INT32", 1),
     _t("batch_index", "INT32", 1),
+    *_ENGINE_EXTENSION_OUTPUTS,
 )
 
 PREPROCESSING_INPUTS = (
@@ -102,6 +138,9 @@ PREPROCESSING_INPUTS = (
     _opt("STOP_WORDS_DICT", "STRING", -1),
     _opt("END_ID", "INT32", 1),
     _opt("PAD_ID", "INT32", 1),
+    _opt("EMBEDDING_BIAS_WORDS", "STRING", -1),
+    _opt("EMBEDDING_BIAS_WEIGHTS", "FP32", -1),
+    _opt("EMBEDDING_BIAS_TOKEN_IDS", "INT32", -1),
 )
 
 PREPROCESSING_OUTPUTS = (
@@ -112,6 +151,8 @@ PREPROCESSING_OUTPUTS = (
     _t("REQUEST_OUTPUT_LEN", "INT32", 1),
     _t("OUT_END_ID", "INT32", 1),
     _t("OUT_PAD_ID", "INT32", 1),
+    # [vocabulary] floats, or [0] when the request has no bias (as upstream).
+    _t("EMBEDDING_BIAS", "FP32", -1),
 )
 
 TENSORRT_LLM_INPUTS = (
@@ -137,7 +178,9 @@ TENSORRT_LLM_INPUTS = (
     _opt("return_log_probs", "BOOL", 1),
     _opt("return_num_input_tokens", "BOOL", 1),
     _opt("return_num_output_tokens", "BOOL", 1),
+    _opt("embedding_bias", "FP32", -1),
     _opt("stop", "BOOL", 1),
+    *_ENGINE_EXTENSION_INPUTS,
 )
 
 TENSORRT_LLM_OUTPUTS = (
@@ -148,6 +191,7 @@ TENSORRT_LLM_OUTPUTS = (
     _t("num_input_tokens", "INT32", 1),
     _t("num_output_tokens", "INT32", 1),
     _t("batch_index", "INT32", 1),
+    *_ENGINE_EXTENSION_OUTPUTS,
 )
 
 POSTPROCESSING_INPUTS = (
@@ -194,6 +238,10 @@ EMBEDDINGS_OUTPUTS = (
 EMBEDDING_MODELS = {EMBEDDINGS: (EMBEDDINGS_INPUTS, EMBEDDINGS_OUTPUTS)}
 
 ALL_MODELS = {**MODELS, **EMBEDDING_MODELS}
+
+
+# The most alternatives per token a request may ask for (OpenAI's top_logprobs bound).
+MAX_TOP_LOG_PROBS = 20
 
 
 def tensor(model: str, name: str) -> Tensor:

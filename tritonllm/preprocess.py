@@ -39,6 +39,9 @@ def preprocess(
     pad_id=None,
     add_special_tokens: bool = True,
     prompt_ids=None,
+    bias_words=None,
+    bias_weights=None,
+    bias_token_ids=None,
 ) -> dict[str, np.ndarray]:
     """Batch of requests (leading dim) to the tensors the ensemble feeds tensorrt_llm.
 
@@ -75,4 +78,42 @@ def preprocess(
         "REQUEST_OUTPUT_LEN": output_len,
         "OUT_END_ID": end_ids,
         "OUT_PAD_ID": pad_ids,
+        "EMBEDDING_BIAS": embedding_bias(
+            tokenizer, batch, bias_words, bias_weights, bias_token_ids
+        ),
     }
+
+
+def embedding_bias(tokenizer, batch: int, words=None, weights=None, token_ids=None) -> np.ndarray:
+    """The ``[batch, vocabulary]`` logit biases of each request (``[batch, 0]`` for none,
+    as upstream's preprocessing sends it): each weight added to its token's logit, or, for
+    a word (upstream's ``embedding_bias_words``), to the logit of every token of the word."""
+    if weights is None or (words is None and token_ids is None):
+        return np.zeros((batch, 0), dtype=np.float32)
+    weights = np.asarray(weights, dtype=np.float32).reshape(batch, -1)
+    vocab = len(tokenizer)
+    bias = np.zeros((batch, vocab), dtype=np.float32)
+    for row in range(batch):
+        targets = _bias_targets(tokenizer, batch, row, words, token_ids)
+        if len(targets) != weights.shape[1]:
+            raise InvalidRequest(
+                f"embedding_bias_weights holds {weights.shape[1]} values for {len(targets)} "
+                "words or token ids: send one weight for each"
+            )
+        for ids, weight in zip(targets, weights[row], strict=True):
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                raise InvalidRequest(
+                    f"embedding_bias_token_ids holds ids outside the vocabulary [0, {vocab}): "
+                    f"{outside[:5]}"
+                )
+            np.add.at(bias[row], ids, weight)
+    return bias
+
+
+def _bias_targets(tokenizer, batch: int, row: int, words, token_ids) -> list[list[int]]:
+    """Each weight's token ids: one id each, or the tokens of each word."""
+    if token_ids is not None:
+        return [[int(t)] for t in np.asarray(token_ids).reshape(batch, -1)[row]]
+    texts = tokenization.decode_words(np.asarray(words, dtype=object).reshape(batch, -1)[row])
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]

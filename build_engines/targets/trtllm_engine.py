@@ -227,5 +227,6 @@ def fill_configs(
             model_values,
             tensorrtllm=model == contract.TENSORRT_LLM,
             ragged=model in RAGGED,
+            engine_extensions=False,
         )
         repo.config_path(model).write_text(text)

@@ -148,5 +148,7 @@ def fill_configs(
     }
     for model, model_values in values.items():
         template = repo.template_path(model, TrtllmPytorchTarget.name)
-        text = templates.fill(template, model, model_values, ragged=model in RAGGED)
+        text = templates.fill(
+            template, model, model_values, ragged=model in RAGGED, engine_extensions=False
+        )
         repo.config_path(model).write_text(text)

@@ -35,6 +35,10 @@ class Backend(Protocol):
     def token_texts(self, model: ModelConfig, token_ids: tuple[int, ...]) -> list[str]:
         """Each token's own text (a ``logprobs`` answer names its tokens)."""
 
+    def serves_alternatives(self, model: ModelConfig) -> bool:
+        """Whether the model's engine returns top-k alternatives and the prompt's log
+        probabilities (the torch engine and vLLM; TensorRT-LLM does not)."""
+
     def sampling_defaults(self, model: ModelConfig) -> SamplingDefaults:
         """The model's checkpoint's sampling defaults (``generation_config.json``)."""
 

@@ -34,23 +34,41 @@ def chat_choice(
     }
 
 
-def chat_logprobs(tokens: list[str], log_probs) -> dict:
-    """Chat's ``logprobs`` of the chosen tokens (no alternatives: ``top_logprobs`` empty)."""
+# A position's alternatives as token texts: [(text, log probability)], most likely first.
+Alternatives = list[tuple[str, float]]
+
+
+def _entry(token: str, log_prob: float) -> dict:
+    return {"token": token, "logprob": log_prob, "bytes": list(token.encode())}
+
+
+def chat_logprobs(tokens: list[str], log_probs, alternatives: list[Alternatives]) -> dict:
+    """Chat's ``logprobs``: each chosen token with its ``top_logprobs`` (empty lists when
+    none were asked for)."""
+    alternatives = alternatives or [[] for _ in tokens]
     content = [
-        {"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
-        for t, p in zip(tokens, log_probs, strict=True)
+        {**_entry(t, p), "top_logprobs": [_entry(a, q) for a, q in top]}
+        for t, p, top in zip(tokens, log_probs, alternatives, strict=True)
     ]
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(tokens: list[str], log_probs, offset: int) -> dict:
-    """Completions' ``logprobs``: each token with its offset in the choice's text,
-    which starts at ``offset``."""
+def completion_logprobs(
+    tokens: list[str], log_probs, alternatives: list[Alternatives | None], offset: int
+) -> dict:
+    """Completions' ``logprobs``: each token with its offset in the choice's text, which
+    starts at ``offset``, and its ``top_logprobs``: the alternatives and, as vLLM and
+    OpenAI do, the chosen token (so ``logprobs: 0`` lists the chosen token alone). A
+    prompt's first token has no log probability: None in both lists."""
     offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
+    tops = [
+        None if top is None else {**dict(top), token: p}
+        for token, p, top in zip(tokens, log_probs, alternatives, strict=True)
+    ]
     return {
         "tokens": tokens,
         "token_logprobs": list(log_probs),
-        "top_logprobs": None,
+        "top_logprobs": tops,
         "text_offset": offsets if tokens else [],
     }
 
@@ -62,6 +80,7 @@ def usage(lasts: list[GenerationChunk]) -> dict:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(last.num_cached_tokens for last in lasts)},
     }
 
 

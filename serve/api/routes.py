@@ -42,7 +42,7 @@ from serve.api.schemas import (
 )
 from serve.api.stops import cut_stream, cut_text
 from serve.config import ModelConfig
-from serve.generation import GenerateParams, GenerationChunk
+from serve.generation import GenerateParams, GenerationChunk, TopLogProbs
 
 log = logging.getLogger("ray.serve")
 
@@ -127,14 +127,42 @@ def _choices(
         raise APIError(
             f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices", "n"
         )
+    backend = request.app.state.backend
+    _check_log_probs(backend, model, body)
     ids = iter(_request_ids(request, len(prompts) * body.n))
     cap, default = model.max_tokens_cap, model.default_max_tokens
-    defaults = request.app.state.backend.sampling_defaults(model)
+    defaults = backend.sampling_defaults(model)
     return [
         body.params(prompt, max_tokens, cap, default, next(ids), variant, j, defaults)
         for prompt in prompts
         for j in range(body.n)
     ]
+
+
+def _check_log_probs(backend: Backend, model: ModelConfig, body: SamplingFields) -> None:
+    """What the model's engine cannot answer is a 400 naming the field; a logit_bias key
+    outside the vocabulary is a 400 naming the key."""
+    if body.wants_log_probs and not backend.serves_alternatives(model):
+        field = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        if body.top_log_probs:
+            raise APIError(
+                f"model {model.id!r} returns the chosen tokens' log probabilities only (its "
+                f"engine, TensorRT-LLM, has no alternatives): set {field} to 0",
+                field,
+            )
+        if body.wants_prompt_log_probs:
+            raise APIError(
+                f"model {model.id!r} cannot return the prompt's log probabilities (echo "
+                "with logprobs): its engine, TensorRT-LLM, does not compute them",
+                "echo",
+            )
+    vocab = backend.vocab_size(model)
+    for key in body.logit_bias or {}:
+        if int(key) >= vocab:
+            raise APIError(
+                f"logit_bias key {key!r} is not a token id of this model's vocabulary [0, {vocab})",
+                "logit_bias",
+            )
 
 
 @router.post("/v1/completions")
@@ -266,15 +294,32 @@ class _LogProbs:
     def __init__(self, backend: Backend, model: ModelConfig, kind: str, echoes: list[str]):
         self._token_texts = functools.partial(backend.token_texts, model)
         self._chat = kind == "chat.completion"
-        self._offsets = [len(echo) for echo in echoes]  # completions' text_offset so far
+        # Completions' text_offset so far: after the echoed prompt, or from 0 when the
+        # prompt's tokens are listed too.
+        self._offsets = [len(echo) for echo in echoes]
 
     def __call__(self, index: int, chunk: GenerationChunk) -> dict:
         tokens = self._token_texts(chunk.token_ids)
+        alternatives = [self._alternatives(top) for top in chunk.top_log_probs]
         if self._chat:
-            return chat_logprobs(tokens, chunk.token_log_probs)
-        shaped = completion_logprobs(tokens, chunk.token_log_probs, self._offsets[index])
+            return chat_logprobs(tokens, chunk.token_log_probs, alternatives)
+        log_probs = list(chunk.token_log_probs)
+        alternatives = alternatives or [[] for _ in tokens]
+        if chunk.prompt is not None:  # echo: the prompt's tokens first
+            self._offsets[index] = 0
+            prompt = chunk.prompt
+            tokens = self._token_texts(prompt.token_ids) + tokens
+            log_probs = list(prompt.log_probs) + log_probs
+            tops = prompt.top_log_probs or [None, *([[]] * (len(prompt.token_ids) - 1))]
+            alternatives = [self._alternatives(t) for t in tops] + alternatives
+        shaped = completion_logprobs(tokens, log_probs, alternatives, self._offsets[index])
         self._offsets[index] += sum(map(len, tokens))
         return shaped
+
+    def _alternatives(self, top: TopLogProbs | list | None):
+        if top is None or isinstance(top, list):  # none (a prompt's first) or not asked
+            return top
+        return list(zip(self._token_texts(top.token_ids), top.log_probs, strict=True))
 
 
 async def _whole(backend, model, body, params, kind, echoes, base, log_probs):

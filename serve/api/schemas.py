@@ -23,6 +23,7 @@ from pydantic import (
 from serve.api.errors import APIError
 from serve.api.sampling import GREEDY, SamplingDefaults, resolve
 from serve.generation import GenerateParams
+from tritonllm.contract import MAX_TOP_LOG_PROBS
 
 
 def _encodable(text: str) -> str:
@@ -68,6 +69,8 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**64)
     user: Text | None = None
     response_format: ResponseFormat | None = None
+    # Token id (as a string, JSON's keys) -> bias added to its logit, OpenAI's range.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # Extensions (vLLM / TensorRT-LLM names).
     top_k: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -82,6 +85,16 @@ class SamplingFields(BaseModel):
         if len(words) > 4 or any(not w for w in words):
             raise ValueError("stop takes up to 4 non-empty strings")
         return words
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias):
+        for key in bias or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"key {key!r} is not a token id (a non-negative integer)")
+        if bias and len(bias) > 300:  # OpenAI's own bound
+            raise ValueError(f"{len(bias)} entries, more than 300")
+        return bias
 
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self):
@@ -128,6 +141,9 @@ class SamplingFields(BaseModel):
             stop=tuple(self.stop or ()),
             ignore_eos=self.ignore_eos,
             return_log_probs=self.wants_log_probs,
+            top_log_probs=self.top_log_probs,
+            prompt_log_probs=self.wants_prompt_log_probs,
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
         )
 
     def _seed(self, choice: int) -> int | None:
@@ -140,7 +156,16 @@ class SamplingFields(BaseModel):
 
     @property
     def wants_log_probs(self) -> bool:
-        """The chosen tokens' log probabilities (the engines return no alternatives)."""
+        """The chosen tokens' log probabilities."""
+        return False
+
+    @property
+    def top_log_probs(self) -> int:
+        """The alternatives per token the answer lists."""
+        return 0
+
+    @property
+    def wants_prompt_log_probs(self) -> bool:
         return False
 
     @property
@@ -152,15 +177,6 @@ class SamplingFields(BaseModel):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
 
-def _only_chosen_tokens(alternatives: int | None) -> int | None:
-    if alternatives:
-        raise ValueError(
-            "the engines return the chosen token's log probability only, not "
-            f"alternatives: {alternatives} asked, the largest value supported is 0"
-        )
-    return alternatives
-
-
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
@@ -168,23 +184,21 @@ class CompletionRequest(SamplingFields):
     # A list gets n choices per prompt, in order; token ids are a prompt the client
     # tokenized itself (one list, or a list of them), taken as they are.
     prompt: Text | list[Text] | TokenIds | list[TokenIds]
-    logprobs: int | None = Field(None, ge=0)  # 0: the chosen tokens' (no alternatives)
-    echo: bool = False  # the prompt's text before each choice's answer
-
-    @field_validator("logprobs")
-    @classmethod
-    def _chosen_only(cls, alternatives):
-        return _only_chosen_tokens(alternatives)
-
-    @model_validator(mode="after")
-    def _no_prompt_log_probs(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs (the prompt's log probabilities) is not supported")
-        return self
+    # The chosen tokens' log probabilities and this many alternatives (0: none).
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOG_PROBS)
+    echo: bool = False  # the prompt's text (with logprobs: its tokens' too) before the answer
 
     @property
     def wants_log_probs(self) -> bool:
         return self.logprobs is not None
+
+    @property
+    def top_log_probs(self) -> int:
+        return self.logprobs or 0
+
+    @property
+    def wants_prompt_log_probs(self) -> bool:
+        return self.echo and self.logprobs is not None
 
     @field_validator("prompt")
     @classmethod
@@ -250,12 +264,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _chosen_only(cls, alternatives):
-        return _only_chosen_tokens(alternatives)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOG_PROBS)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -266,6 +275,10 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def wants_log_probs(self) -> bool:
         return self.logprobs
+
+    @property
+    def top_log_probs(self) -> int:
+        return self.top_logprobs or 0
 
     @property
     def requested_max_tokens(self) -> int | None:

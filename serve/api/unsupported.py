@@ -13,10 +13,6 @@ REASONS = {
     "parallel_tool_calls": _NO_TOOLS,
     "functions": _NO_TOOLS,
     "function_call": _NO_TOOLS,
-    "logit_bias": (
-        "per-token biases are not passed to the engines (TensorRT-LLM's embedding_bias "
-        "is not wired)"
-    ),
     "min_p": "min-p sampling is not implemented in the engines here; use top_p or top_k",
     "stop_token_ids": "stop words reach the engines as text only; send the tokens' text in stop",
     "best_of": "beam and best-of search are not supported; use n",

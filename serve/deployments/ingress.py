@@ -103,6 +103,14 @@ def _tokenizer_dir(model: ModelConfig):
     return repository.tokenizer_dir(model.triton.repository_path())
 
 
+def _serves_alternatives(model: ModelConfig) -> bool:
+    """Top-k and prompt log probabilities: vLLM and the torch engine, not TensorRT-LLM."""
+    if model.engine == "vllm":
+        return True
+    repo = model.triton.repository_path()
+    return repository.serves_engine_extensions(repo, model.engine_model())
+
+
 @serve.ingress()  # the app is built in the replica, by __serve_build_asgi_app__
 class OpenAIIngress:
     """Implements :class:`serve.api.backend.Backend` for the routes."""
@@ -125,6 +133,9 @@ class OpenAIIngress:
         checkpoints = {m.id: _tokenizer_dir(m) for m in config.models if m.task == "generate"}
         self.tokenizers = {i: load_tokenizer(str(d)) for i, d in checkpoints.items()}
         self._sampling = {i: SamplingDefaults.from_checkpoint(d) for i, d in checkpoints.items()}
+        self._alternatives = {
+            m.id: _serves_alternatives(m) for m in config.models if m.task == "generate"
+        }
         self._api_keys = load_api_keys(config.api_keys.env, config.api_keys.file)
         log.info("API keys %s", "required" if self._api_keys else "not configured (open API)")
 
@@ -148,6 +159,9 @@ class OpenAIIngress:
 
     def sampling_defaults(self, model: ModelConfig) -> SamplingDefaults:
         return self._sampling[model.id]
+
+    def serves_alternatives(self, model: ModelConfig) -> bool:
+        return self._alternatives[model.id]
 
     # -- generation ----------------------------------------------------------------------
 

@@ -161,7 +161,7 @@ class InProcessHost:
                 async for response in responses:
                     outputs = response_outputs(response)
                     if outputs:  # a decoupled model's final response may be empty
-                        last = chunk_from_outputs(outputs, params)
+                        last = chunk_from_outputs(outputs, params, last)
                         yield last
             except tritonserver.TritonError as error:
                 raise from_triton_error(error) from None

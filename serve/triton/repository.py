@@ -67,3 +67,11 @@ def kv_cache_fraction(repository: Path, engine: str = contract.TENSORRT_LLM) -> 
         return float(value) if value else None
     except ValueError:
         return None
+
+
+def serves_engine_extensions(repository: Path, engine: str = contract.TENSORRT_LLM) -> bool:
+    """Whether the engine step declares our extensions of the contract (top-k log
+    probabilities, the prompt's, the prefix cache's count): the torch engine does, a
+    repository built for TensorRT-LLM does not (``tritonllm.contract``)."""
+    declared = {output.name for output in read_config(repository, engine).output}
+    return "top_log_probs" in declared

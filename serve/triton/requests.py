@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from serve.generation import GenerateParams, GenerationChunk
+from serve.generation import GenerateParams, GenerationChunk, PromptLogProbs, TopLogProbs
 from tritonllm import contract
 
 _OPTIONAL_SCALARS = (
@@ -48,16 +48,30 @@ def ensemble_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
         values["end_id"] = np.array([[-1]], dtype=np.int32)
     if params.stop:
         values["stop_words"] = np.array([[w.encode() for w in params.stop]], dtype=object)
+    if params.top_log_probs:
+        values["num_top_log_probs"] = np.array([[params.top_log_probs]], dtype=np.int32)
+    if params.prompt_log_probs:
+        values["return_prompt_log_probs"] = np.array([[True]])
+    if params.logit_bias:
+        ids, weights = zip(*params.logit_bias, strict=True)
+        values["embedding_bias_token_ids"] = np.array([ids], dtype=np.int32)
+        values["embedding_bias_weights"] = np.array([weights], dtype=np.float32)
     return values
 
 
 def ensemble_outputs(params: GenerateParams) -> tuple[str, ...]:
     """The ensemble outputs a chunk is made of: asking for no others spares Triton and
     the replica a serialization and a parse of each per response."""
-    counts = ("text_output", "num_input_tokens", "num_output_tokens")
+    # num_cached_tokens is on a request's first response only (where the engine has it).
+    names = ("text_output", "num_input_tokens", "num_output_tokens", "num_cached_tokens")
     if params.return_log_probs:
-        return (*counts, "cum_log_probs", "output_ids", "output_log_probs")
-    return counts
+        names += ("cum_log_probs", "output_ids", "output_log_probs")
+    if params.top_log_probs:
+        names += ("top_log_probs", "top_token_ids")
+    if params.prompt_log_probs:
+        names += ("prompt_token_ids", "prompt_log_probs")
+        names += ("prompt_top_log_probs", "prompt_top_token_ids") if params.top_log_probs else ()
+    return names
 
 
 def stop_inputs() -> dict[str, np.ndarray]:
@@ -70,8 +84,11 @@ def stop_inputs() -> dict[str, np.ndarray]:
     }
 
 
-def chunk_from_outputs(outputs: dict[str, np.ndarray], params: GenerateParams) -> GenerationChunk:
-    """One streamed ensemble response as a chunk (not yet knowing if it is the last)."""
+def chunk_from_outputs(
+    outputs: dict[str, np.ndarray], params: GenerateParams, earlier: GenerationChunk | None = None
+) -> GenerationChunk:
+    """One streamed ensemble response as a chunk (not yet knowing if it is the last);
+    ``earlier``, the request's previous chunk, holds what only the first response says."""
 
     def scalar(name: str):
         return outputs[name].reshape(-1)[0] if name in outputs else None
@@ -81,6 +98,9 @@ def chunk_from_outputs(outputs: dict[str, np.ndarray], params: GenerateParams) -
         text=text.decode() if isinstance(text, bytes) else str(text or ""),
         num_input_tokens=int(scalar("num_input_tokens") or 0),
         num_output_tokens=int(scalar("num_output_tokens") or 0),
+        num_cached_tokens=int(
+            scalar("num_cached_tokens") or (earlier.num_cached_tokens if earlier else 0)
+        ),
     )
     if not params.return_log_probs:
         return chunk
@@ -92,6 +112,32 @@ def chunk_from_outputs(outputs: dict[str, np.ndarray], params: GenerateParams) -
         cum_log_prob=None if cum is None else float(cum),
         token_ids=tuple(ids.tolist()),
         token_log_probs=tuple(log_probs.tolist()),
+        top_log_probs=_top(outputs, "top", len(ids)) if params.top_log_probs else (),
+        prompt=_prompt(outputs) if params.prompt_log_probs else None,
+    )
+
+
+def _top(outputs: dict[str, np.ndarray], prefix: str, positions: int) -> tuple[TopLogProbs, ...]:
+    """``{prefix}_token_ids`` and ``{prefix}_log_probs`` ([1, positions, k]) per position."""
+    if f"{prefix}_token_ids" not in outputs:
+        return ()
+    ids = outputs[f"{prefix}_token_ids"].reshape(positions, -1).tolist()
+    values = outputs[f"{prefix}_log_probs"].reshape(positions, -1).tolist()
+    return tuple(TopLogProbs(tuple(i), tuple(v)) for i, v in zip(ids, values, strict=True))
+
+
+def _prompt(outputs: dict[str, np.ndarray]) -> PromptLogProbs | None:
+    """The prompt's log probabilities, on a request's first response (None on the others);
+    the first token has none."""
+    if "prompt_token_ids" not in outputs:
+        return None
+    ids = tuple(outputs["prompt_token_ids"].reshape(-1).tolist())
+    chosen = outputs["prompt_log_probs"].reshape(-1).tolist()
+    top = _top(outputs, "prompt_top", len(ids))
+    return PromptLogProbs(
+        token_ids=ids,
+        log_probs=(None, *chosen[1:]),
+        top_log_probs=(None, *top[1:]) if top else (),
     )
 
 
@@ -103,6 +149,7 @@ def final_chunk(last: GenerationChunk | None, params: GenerateParams) -> Generat
         num_output_tokens=last.num_output_tokens if last else 0,
         cum_log_prob=last.cum_log_prob if last else None,
         finish_reason=finish_reason(last, params),
+        num_cached_tokens=last.num_cached_tokens if last else 0,
     )
 
 

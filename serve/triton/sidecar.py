@@ -116,6 +116,7 @@ class SidecarHost:
         self._start_timeout_s = start_timeout_s
         self._clients: dict[asyncio.AbstractEventLoop, grpc_aio.InferenceServerClient] = {}
         self._engine_steps: dict[str, str] = {}
+        self._outputs: dict[str, frozenset[str]] = {}
 
     def start(self) -> SidecarHost:
         """Start Triton and wait until it is ready (blocking)."""
@@ -145,7 +146,8 @@ class SidecarHost:
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the answer's chunks, then one empty chunk with the finish reason."""
 
-        names = ensemble_outputs(params)
+        declared = await self._declared_outputs(model)
+        names = [name for name in ensemble_outputs(params) if name in declared]
 
         async def requests():
             yield {
@@ -171,7 +173,7 @@ class SidecarHost:
                 if result.get_response().outputs:  # an EOS's empty final response: none
                     arrays = {name: result.as_numpy(name) for name in names}
                     outputs = {k: v for k, v in arrays.items() if v is not None}
-                    last = chunk_from_outputs(outputs, params)
+                    last = chunk_from_outputs(outputs, params, last)
                     yield last
             done = True
             yield final_chunk(last, params)
@@ -227,6 +229,18 @@ class SidecarHost:
             if self.process.poll() is None:  # a dead Triton has nothing left to stop
                 log.warning("could not stop %s: %s", request_id, error)
 
+    async def _declared_outputs(self, model: str) -> frozenset[str]:
+        """The outputs ``model`` declares: a repository built for TensorRT-LLM lacks our
+        engine extensions (``num_cached_tokens``, ...), which Triton would refuse to be
+        asked for. Read once per model."""
+        if model not in self._outputs:
+            try:
+                config = await self._client().get_model_config(model, as_json=True)
+            except InferenceServerException as error:
+                raise _from_status(error) from None
+            self._outputs[model] = frozenset(o["name"] for o in config["config"]["output"])
+        return self._outputs[model]
+
     async def _engine_step(self, model: str) -> str:
         """The ensemble step that runs the engine (the one fed ``input_ids``): where a
         ``stop`` must go, since the ensemble does not pass cancellation on."""
@@ -254,6 +268,7 @@ class SidecarHost:
 
     async def unload_model(self, name: str) -> None:
         self._engine_steps.pop(name, None)
+        self._outputs.pop(name, None)
         try:
             await self._client().unload_model(name)
         except InferenceServerException as error:

@@ -24,7 +24,7 @@ from serve.api.errors import APIError, Overloaded
 from serve.api.http import create_app
 from serve.api.sampling import GREEDY
 from serve.config import AppConfig
-from serve.generation import GenerationChunk
+from serve.generation import GenerationChunk, PromptLogProbs, TopLogProbs
 from serve.triton.requests import final_chunk
 from tests.fuzzing import server_errors
 
@@ -41,6 +41,12 @@ CONFIG = AppConfig.model_validate(
 )
 
 
+def _prompt(length: int, k: int) -> PromptLogProbs:
+    ids = tuple(range(50, 50 + length))
+    tops = [TopLogProbs(tuple(range(t, t + k)), (-0.25,) * k) for t in ids[1:]]
+    return PromptLogProbs(ids, (None, *(-0.5,) * (length - 1)), (None, *tops) if k else ())
+
+
 class FakeBackend:
     """Answers with the prompt's words, one per chunk, up to max_tokens."""
 
@@ -52,12 +58,16 @@ class FakeBackend:
         self.error = error
         self.params = []
         self.waiting: dict[str, str] = {}  # what not_ready() answers: model id -> reason
+        self.alternatives = True  # top-k and prompt log probabilities (not TensorRT-LLM)
 
     def chat_prompt(self, model, messages):
         return " ".join(m["content"] for m in messages)
 
     def sampling_defaults(self, model):
         return self.defaults
+
+    def serves_alternatives(self, model):
+        return self.alternatives
 
     async def _chunks(self, params):
         self.params.append(params)
@@ -69,6 +79,12 @@ class FakeBackend:
             last = GenerationChunk(" " + word, len(prompt), i + 1)
             if params.return_log_probs:  # token i of the answer has id i, log prob -i
                 last = dataclasses.replace(last, token_ids=(i,), token_log_probs=(-float(i),))
+            if params.top_log_probs:  # its alternatives: ids i, i+1, ..., log probs -i, -i-1 ...
+                ids = tuple(range(i, i + params.top_log_probs))
+                top = TopLogProbs(ids, tuple(-float(t) for t in ids))
+                last = dataclasses.replace(last, top_log_probs=(top,))
+            if params.prompt_log_probs and i == 0:  # the prompt's words: ids 50, 51, ...
+                last = dataclasses.replace(last, prompt=_prompt(len(prompt), params.top_log_probs))
             yield last
         yield final_chunk(last, params)
 
@@ -116,7 +132,12 @@ def test_completions_and_generate_answer_from_the_backend():
     body = api.post("/v1/completions", json={"model": "llm", "prompt": "a b c", "max_tokens": 2})
     assert body.json()["choices"][0]["text"] == " a b"
     assert body.json()["choices"][0]["finish_reason"] == "length"
-    assert body.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body.json()["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert api.get("/generate", params={"query": "x y"}).json() == {"text": " x y"}
     assert api.post("/generate", json={"prompt": "x y", "max_new_tokens": 1}).json() == {
         "text": " x"
@@ -193,7 +214,18 @@ def test_an_error_before_the_first_chunk_is_the_http_status():
         ("/v1/embeddings", {"model": "llm", "input": "x"}, 404, "model"),
         ("/v1/completions", {"model": "llm", "prompt": "x", "max_tokens": 17}, 400, "max_tokens"),
         ("/v1/completions", {"model": "llm", "prompt": "x" * 1001}, 400, "prompt"),
-        ("/v1/completions", {"model": "llm", "prompt": "x", "logit_bias": {}}, 400, "logit_bias"),
+        (
+            "/v1/completions",
+            {"model": "llm", "prompt": "x", "logit_bias": {"a": 1}},
+            400,
+            "logit_bias",
+        ),
+        (
+            "/v1/completions",
+            {"model": "llm", "prompt": "x", "logit_bias": {"100": 1}},
+            400,
+            "logit_bias",
+        ),
         ("/v1/completions", {"model": "llm", "prompt": "x", "stop": ["a"] * 5}, 400, "stop"),
         ("/v1/chat/completions", {"model": "llm", "messages": []}, 400, "messages"),
         (

@@ -145,7 +145,12 @@ def test_a_stream_that_fails_after_its_first_byte_still_reports_usage():
     api = client(FakeBackend(fail_after=2, error=Overloaded("replica lost")))
     body = {"model": "llm", "prompt": "a b c", "stream_options": {"include_usage": True}}
     events = stream_events(api, "/v1/completions", body)
-    assert events[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert events[-2]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert events[-1]["error"]["message"] == "replica lost"
 
 
@@ -236,29 +241,83 @@ def test_chat_logprobs_name_each_chosen_token_whole_and_streamed():
     )
 
 
-def test_completion_logprobs_carry_tokens_and_their_offsets():
+def test_completion_logprobs_carry_tokens_their_offsets_and_the_chosen_one_in_top():
     body = {"model": "llm", "prompt": "a b", "logprobs": 0}
     logprobs = client().post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
     assert logprobs == {
         "tokens": ["<0>", "<1>"],
         "token_logprobs": [0.0, -1.0],
-        "top_logprobs": None,
+        "top_logprobs": [{"<0>": 0.0}, {"<1>": -1.0}],  # logprobs 0: the chosen token only
         "text_offset": [0, 3],
     }
+
+
+def test_chat_top_logprobs_list_the_alternatives_of_each_token():
+    body = chat("a b", logprobs=True, top_logprobs=2)
+    content = client().post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]
+    second = content["content"][1]
+    assert (second["token"], second["logprob"]) == ("<1>", -1.0)
+    assert second["top_logprobs"] == [
+        {"token": "<1>", "logprob": -1.0, "bytes": list(b"<1>")},
+        {"token": "<2>", "logprob": -2.0, "bytes": list(b"<2>")},
+    ]
+
+
+def test_completions_echo_with_logprobs_lists_the_prompt_tokens_first():
+    body = {"model": "llm", "prompt": "a b", "logprobs": 1, "echo": True, "max_tokens": 1}
+    for stream in (False, True):
+        answer = client().post("/v1/completions", json=body | {"stream": stream})
+        if stream:
+            answer = [json.loads(e) for e in _events(answer.text)][0]
+        else:
+            answer = answer.json()
+        logprobs = answer["choices"][0]["logprobs"]
+        assert logprobs["tokens"] == ["<50>", "<51>", "<0>"]
+        assert logprobs["token_logprobs"] == [None, -0.5, 0.0]
+        assert logprobs["top_logprobs"] == [None, {"<51>": -0.5}, {"<0>": 0.0}]
+        assert logprobs["text_offset"] == [0, 4, 8]
+
+
+def _events(text: str) -> list[str]:
+    return [line[6:] for line in text.splitlines() if line.startswith("data: {")]
 
 
 @pytest.mark.parametrize(
     "path, body, param",
     [
         ("/v1/chat/completions", chat("a", logprobs=True, top_logprobs=2), "top_logprobs"),
-        ("/v1/chat/completions", chat("a", top_logprobs=0), None),
         ("/v1/completions", {"model": "llm", "prompt": "a", "logprobs": 3}, "logprobs"),
-        ("/v1/completions", {"model": "llm", "prompt": "a", "logprobs": 0, "echo": True}, None),
+        ("/v1/completions", {"model": "llm", "prompt": "a", "logprobs": 0, "echo": True}, "echo"),
     ],
 )
-def test_alternatives_and_prompt_logprobs_are_400s_naming_the_limit(path, body, param):
+def test_alternatives_and_prompt_logprobs_of_a_tensorrt_llm_model_are_400s(path, body, param):
+    backend = FakeBackend()
+    backend.alternatives = False
+    api = client(backend)
+    error = error_of(api.post(path, json=body), 400)
+    assert error["param"] == param and "TensorRT-LLM" in error["message"]
+    chosen_only = {"top_logprobs": 0} if "chat" in path else {"logprobs": 0, "echo": False}
+    assert api.post(path, json={**body, **chosen_only}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", chat("a", top_logprobs=0), None),  # without logprobs
+        ("/v1/chat/completions", chat("a", logprobs=True, top_logprobs=21), "top_logprobs"),
+        ("/v1/completions", {"model": "llm", "prompt": "a", "logprobs": 21}, "logprobs"),
+    ],
+)
+def test_log_probability_fields_out_of_range_are_400s(path, body, param):
     error = error_of(client().post(path, json=body), 400)
     assert error["param"] == param and "log" in error["message"]
+
+
+def test_logit_bias_reaches_the_engine_as_token_ids():
+    backend = FakeBackend()
+    body = {"model": "llm", "prompt": "a", "logit_bias": {"7": 100, "9": -100}}
+    assert client(backend).post("/v1/completions", json=body).status_code == 200
+    assert backend.params[-1].logit_bias == ((7, 100.0), (9, -100.0))
 
 
 def test_token_id_prompts_go_to_the_engine_as_they_are():
@@ -282,7 +341,7 @@ def test_a_token_id_outside_the_vocabulary_is_a_400_naming_it(prompt, words):
     assert error["param"].startswith("prompt") and words in error["message"]
 
 
-@pytest.mark.parametrize("field, value", [("logit_bias", {"5": 1}), ("min_p", 0.1), ("tools", [])])
+@pytest.mark.parametrize("field, value", [("min_p", 0.1), ("tools", [])])
 def test_a_known_field_we_refuse_says_why(field, value):
     body = {"model": "llm", "prompt": "a", field: value}
     error = error_of(client().post("/v1/completions", json=body), 400)

@@ -57,7 +57,9 @@ def test_the_tokenizer_comes_from_the_preprocessing_config(built_repository, che
         {"stream_options": {"include_usage": True}},  # without stream: true
         {"prompt": "\ud800"},
         {"stop": "a\udfff"},
-        {"logprobs": 2},
+        {"logprobs": 21},
+        {"logit_bias": {"x": 1}},
+        {"logit_bias": {"5": 101}},
         {"stop": ["a", "b", "c", "d", "e"]},
         {"stop": [""]},
         {"temperature": -1},

@@ -109,6 +109,9 @@ def test_the_llmapi_config_is_a_python_model_on_our_contract(repo, checkpoint_di
     assert config.backend == "python" and config.default_model_filename == "llmapi.py"
     assert config.model_transaction_policy.decoupled
     inputs, outputs = contract.MODELS[contract.TENSORRT_LLM]
+    # Without our engine extensions: the API refuses what needs them for this target.
+    inputs = [t for t in inputs if not t.engine_extension]
+    outputs = [t for t in outputs if not t.engine_extension]
     assert [(t.name, t.dims, t.optional) for t in config.input] == [
         (t.name, list(t.dims), t.optional) for t in inputs
     ]

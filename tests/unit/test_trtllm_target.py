@@ -66,6 +66,7 @@ UPSTREAM_TENSORS = {
     "return_num_output_tokens": ("TYPE_BOOL", (1,), R),
     "exclude_input_in_output": ("TYPE_BOOL", (1,), R),
     "stop": ("TYPE_BOOL", (1,), R),
+    "embedding_bias": ("TYPE_FP32", (-1,), G),
     "streaming": ("TYPE_BOOL", (1,), R),
     "output_ids": ("TYPE_INT32", (-1, -1), None),
     "sequence_length": ("TYPE_INT32", (-1,), None),
@@ -106,7 +107,10 @@ def parse_config(repo: ModelRepository, model: str):
 
 
 def test_our_tensorrt_llm_contract_is_nvidias():
+    """Upstream's tensors, and ours marked as engine extensions (left out for TensorRT-LLM)."""
     inputs, outputs = contract.MODELS[contract.TENSORRT_LLM]
+    inputs = [t for t in inputs if not t.engine_extension]
+    outputs = [t for t in outputs if not t.engine_extension]
     for tensor in (*inputs, *outputs):
         dtype, dims, _ = UPSTREAM_TENSORS[tensor.name]
         assert (tensor.triton_dtype, tensor.dims) == (dtype, dims), tensor.name
@@ -142,8 +146,16 @@ def test_tensorrt_llm_tensors_carry_nvidias_attributes(repo):
     trt = parse_config(repo, contract.TENSORRT_LLM)
     declared = [*trt.input, *trt.output]
     assert [t.name for t in declared] == [
-        t.name for t in (*contract.TENSORRT_LLM_INPUTS, *contract.TENSORRT_LLM_OUTPUTS)
+        t.name
+        for t in (*contract.TENSORRT_LLM_INPUTS, *contract.TENSORRT_LLM_OUTPUTS)
+        if not t.engine_extension
     ]
+    ensemble = parse_config(repo, contract.ENSEMBLE)
+    engine_step = next(s for s in ensemble.ensemble_scheduling.step if s.model_name == trt.name)
+    mapped = {*engine_step.input_map, *engine_step.output_map}
+    assert mapped <= {t.name for t in declared}
+    engine_outputs = set(engine_step.output_map.values()) - {"_SEQUENCE_LENGTH"}
+    assert {o.name for o in ensemble.output} == engine_outputs | {"text_output"}
     for tensor in declared:
         dtype, dims, attribute = UPSTREAM_TENSORS[tensor.name]
         assert (DTYPES[tensor.data_type], tuple(tensor.dims)) == (dtype, dims)

@@ -62,7 +62,12 @@ class NullRunner:
         return None  # no keys and values to keep
 
     def prefill(
-        self, cache: NullCache, slots: list[int], prompts: list[list[int]], starts=None
+        self,
+        cache: NullCache,
+        slots: list[int],
+        prompts: list[list[int]],
+        starts=None,
+        every_position: bool = False,
     ) -> list[None]:
         time.sleep(self.step_s)
         return [None] * len(prompts)
@@ -87,7 +92,7 @@ class ScriptedSampler:
         self._end_id = end_id if end_id is not None and end_id >= 0 else None
         self._end_at = max(answer_tokens, request.sampling.min_tokens) if answer_tokens else 0
 
-    def __call__(self, logits, history: list[int], generated: int) -> tuple[int, float]:
+    def __call__(self, logits, history: list[int], generated: int) -> int:
         if self._end_at and generated >= self._end_at and self._end_id is not None:
-            return self._end_id, 0.0
-        return self._script[(self._offset + generated) % len(self._script)], 0.0
+            return self._end_id
+        return self._script[(self._offset + generated) % len(self._script)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tritonllm.contract import MAX_TOP_LOG_PROBS
 from tritonllm.engine.sampling import SamplingParams
 from tritonllm.tokenization import InvalidRequest
 
@@ -20,6 +21,12 @@ class GenerationRequest:
     streaming: bool = False
     exclude_input_in_output: bool = False
     return_log_probs: bool = False
+    num_top_log_probs: int = 0  # alternatives per generated token (with return_log_probs)
+    return_prompt_log_probs: bool = False
+
+    @property
+    def wants_log_probs(self) -> bool:
+        return self.return_log_probs or self.return_prompt_log_probs
 
     def validate(self, max_seq_len: int, vocab_size: int) -> None:
         """Reject what cannot be served, naming the limit (before any compute)."""
@@ -30,6 +37,16 @@ class GenerationRequest:
         bad = [t for t in self.input_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequest(f"input_ids contains ids outside [0, {vocab_size}): {bad[:5]}")
+        if not 0 <= self.num_top_log_probs <= MAX_TOP_LOG_PROBS:
+            raise InvalidRequest(
+                f"num_top_log_probs must be in [0, {MAX_TOP_LOG_PROBS}], "
+                f"got {self.num_top_log_probs}"
+            )
+        biased = [t for t, _ in self.sampling.logit_bias if t >= vocab_size]
+        if biased:
+            raise InvalidRequest(
+                f"embedding_bias is longer than the vocabulary ({vocab_size} tokens)"
+            )
         total = len(self.input_ids) + self.max_tokens
         if total > max_seq_len:
             raise InvalidRequest(

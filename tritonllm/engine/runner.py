@@ -73,10 +73,13 @@ class CausalLMRunner:
         slots: list[int],
         prompts: list[list[int]],
         starts: list[int] | None = None,
+        every_position: bool = False,
     ):
         """Logits ``[len(prompts), vocab]`` after each whole prompt; prompt ``i`` fills
         row ``slots[i]``, whose first ``starts[i]`` columns (if given) already hold
         the keys and values of its first ``starts[i]`` tokens (a cached prefix).
+        ``every_position`` (one prompt): ``[1, new tokens, vocab]``, the logits after
+        each of its tokens (a prompt's log probabilities).
 
         Prompts are right-padded into one forward (on 2 CPU cores 16 prompts of 32
         tokens run in about half the time of 16 forwards); the padding's keys and
@@ -92,6 +95,8 @@ class CausalLMRunner:
             ids[row, : len(new)] = torch.tensor(new)
         last = torch.tensor(lengths) - 1
         keep = torch.unique(last)  # sorted: logits only where some prompt ends
+        if every_position:
+            keep = torch.arange(width)
         if starts:
             cache.plan_prefill(slots, width, starts, lengths)
             offsets = torch.tensor(starts, device=self.device)[:, None]
@@ -109,6 +114,8 @@ class CausalLMRunner:
             cache=cache,
             use_cache=True,
         )
+        if every_position:
+            return out.logits
         return out.logits[torch.arange(len(news)), torch.searchsorted(keep, last)]
 
     @torch.inference_mode()

@@ -39,6 +39,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     bad_words: tuple[tuple[int, ...], ...] = field(default=())
+    # (token id, bias) added to the token's logit before anything else (TensorRT-LLM's
+    # embedding_bias, OpenAI's logit_bias; -100 bans a token, +100 all but forces it).
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.temperature is not None and self.temperature < 0:
@@ -75,20 +78,28 @@ class TokenSampler:
             or params.frequency_penalty
             or params.bad_words
         )
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias, strict=True)
+            self._bias_ids = torch.tensor(ids, dtype=torch.long)
+            self._bias_values = torch.tensor(values, dtype=torch.float32)
         self._generator = torch.Generator(device="cpu")
         if params.seed is not None:
             self._generator.manual_seed(params.seed % 2**64)
         else:
             self._generator.seed()
 
-    def __call__(self, logits: torch.Tensor, history, num_generated: int):
-        """Return ``(token_id, log_prob)`` for 1-D ``logits`` given the ids so far.
+    def __call__(self, logits: torch.Tensor, history, num_generated: int) -> int:
+        """The next token for 1-D ``logits`` given the ids so far.
 
         ``history`` (prompt + generated ids) becomes a tensor only for the
         penalties that read it, so plain greedy/top-k/top-p decoding does no
-        O(sequence length) work per token.
+        O(sequence length) work per token. The log probabilities a request asks for
+        are the model's own (:func:`log_probs`), as vLLM reports them by default.
         """
         scores = logits.to(torch.float32, copy=True).unsqueeze(0)
+        if self.params.logit_bias:
+            bias_ids = self._bias_ids.to(scores.device)
+            scores[0].index_add_(0, bias_ids, self._bias_values.to(scores.device))
         if self._reads_history:
             scores = self._penalize(
                 scores, torch.as_tensor(history, dtype=torch.long), num_generated
@@ -102,8 +113,7 @@ class TokenSampler:
             scores = self._processors(_NO_IDS, scores)
             probs = torch.softmax(scores, dim=-1)
             token = int(torch.multinomial(probs.cpu(), 1, generator=self._generator))
-        log_prob = float(torch.log_softmax(scores, dim=-1)[0, token])
-        return token, log_prob
+        return token
 
     def _penalize(self, scores: torch.Tensor, history: torch.Tensor, num_generated: int):
         p = self.params
@@ -123,6 +133,31 @@ class TokenSampler:
             if len(word) == 1 or history[-(len(word) - 1) :].tolist() == list(word[:-1]):
                 scores[:, word[-1]] = float("-inf")
         return scores
+
+
+@dataclass(frozen=True)
+class TokenLogProbs:
+    """One position's log probabilities: the chosen token's and the ``k`` most likely."""
+
+    chosen: float
+    top_ids: tuple[int, ...] = ()
+    top_values: tuple[float, ...] = ()
+
+
+def log_probs(logits: torch.Tensor, chosen: list[int], k: int) -> list[TokenLogProbs]:
+    """The log-softmax of the model's ``[positions, vocab]`` logits at each position's
+    ``chosen`` token, and its ``k`` most likely tokens (before penalties, biases and
+    temperature: what the model itself predicts, as vLLM's default ``raw_logprobs``)."""
+    table = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    index = torch.tensor(chosen, dtype=torch.long, device=table.device)[:, None]
+    picked = table.gather(1, index)[:, 0].tolist()
+    if not k:
+        return [TokenLogProbs(p) for p in picked]
+    values, ids = torch.topk(table, k, dim=-1)
+    return [
+        TokenLogProbs(p, tuple(i), tuple(v))
+        for p, i, v in zip(picked, ids.tolist(), values.tolist(), strict=True)
+    ]
 
 
 def _build_processors(params: SamplingParams) -> LogitsProcessorList:

@@ -35,7 +35,7 @@ import torch
 from tritonllm.engine.null_engine import NullRunner
 from tritonllm.engine.request import GenerationRequest
 from tritonllm.engine.runner import CausalLMRunner
-from tritonllm.engine.sampling import TokenSampler
+from tritonllm.engine.sampling import TokenLogProbs, TokenSampler, log_probs
 from tritonllm.tokenization import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,13 @@ class GenerationChunk:
     num_output_tokens: int
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    # With num_top_log_probs: each token's alternatives.
+    top_log_probs: list[TokenLogProbs] = field(default_factory=list)
+    # A request's first response only: the prefix cache's share of the prompt, and
+    # with return_prompt_log_probs the prompt's log probabilities (none for its first).
+    num_cached_tokens: int | None = None
+    prompt_log_probs: list[TokenLogProbs] | None = None
+    prompt_ids: tuple[int, ...] = ()
 
     def merged(self, later: GenerationChunk) -> GenerationChunk | None:
         """One streamed response standing for this one and the ``later`` one of the same
@@ -71,6 +78,10 @@ class GenerationChunk:
             num_output_tokens=later.num_output_tokens,
             finished=later.finished,
             finish_reason=later.finish_reason,
+            top_log_probs=self.top_log_probs + later.top_log_probs,
+            num_cached_tokens=self.num_cached_tokens,
+            prompt_log_probs=self.prompt_log_probs,
+            prompt_ids=self.prompt_ids,
         )
 
 
@@ -115,11 +126,14 @@ class Sequence:
     sampler: TokenSampler  # or any callable of the same shape (the null engine's)
     history: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
+    log_probs: list[TokenLogProbs] = field(default_factory=list)  # if the request asks
+    prompt_log_probs: list[TokenLogProbs] = field(default_factory=list)  # tokens 1..
     slot: int = -1  # its row in the KV cache while running
     cached: int = 0  # tokens whose keys and values are in the cache
+    cache_hit: int = 0  # of those, the prompt tokens the prefix cache held at admission
     finish_reason: str | None = None
     sent: int = 0  # generated tokens already streamed
+    answered: bool = False  # its first response is out
 
     @property
     def request_id(self) -> str:
@@ -311,7 +325,9 @@ class Engine:
         with self._lock:
             while self._pending and len(self._running) < self.max_batch_size:
                 history = self._pending[0].history
-                chain = self._prefix.match(history) if self._prefix is not None else []
+                # A prompt's log probabilities need its logits: none come from the cache.
+                reads_cache = not self._pending[0].request.return_prompt_log_probs
+                chain = self._prefix.match(history) if self._prefix and reads_cache else []
                 computed = len(history) - (len(chain) * self._prefix.block_size if chain else 0)
                 if computed > budget and not self.chunked_context:
                     break
@@ -320,7 +336,7 @@ class Engine:
                 seq.slot = len(self._running)
                 # Loaded at once: nothing is saved (so nothing evicted) in between.
                 if chain:
-                    seq.cached = self._prefix.load(self._cache, seq.slot, chain)
+                    seq.cached = seq.cache_hit = self._prefix.load(self._cache, seq.slot, chain)
                 self._running.append(seq)
                 admitted.append(seq)
         return admitted
@@ -356,6 +372,7 @@ class Engine:
 
     def _prefill(self, group: list[tuple[Sequence, int]]) -> None:
         """Each sequence's next ``size`` prompt tokens (all the rest, or a chunk)."""
+        every_position = group[0][0].request.return_prompt_log_probs  # then alone
         torch.set_num_threads(self.prefill_threads)
         try:
             logits = self.runner.prefill(
@@ -363,9 +380,12 @@ class Engine:
                 [seq.slot for seq, _ in group],
                 [seq.history[: seq.cached + size] for seq, size in group],
                 [seq.cached for seq, _ in group],
+                every_position=every_position,
             )
         finally:
             torch.set_num_threads(self.decode_threads)
+        if every_position:
+            logits = [self._read_prompt(group[0][0], group[0][1], logits[0])]
         for (seq, size), row_logits in zip(group, logits, strict=True):
             seq.cached += size
             if seq.prefilling:  # a chunk: its logits are not the prompt's last
@@ -373,6 +393,22 @@ class Engine:
             if self._prefix is not None:  # now, so that a request admitted next step finds it
                 self._prefix.save(self._cache, seq.slot, seq.history)
             self._sample(seq, row_logits)
+
+    def _read_prompt(self, seq: Sequence, size: int, logits):
+        """Keep the log probabilities of the prompt tokens that a prefilled chunk's
+        logits ``[size, vocab]`` predict; return the last position's logits."""
+        start = seq.cached  # the chunk's first position
+        predicted = seq.request.input_ids[start + 1 : start + size + 1]  # within the prompt
+        if predicted:
+            rows = logits[: len(predicted)] if logits is not None else None
+            seq.prompt_log_probs += self._log_probs(seq, rows, list(predicted))
+        return None if logits is None else logits[-1]
+
+    def _log_probs(self, seq: Sequence, logits, chosen: list[int]) -> list[TokenLogProbs]:
+        k = seq.request.num_top_log_probs
+        if logits is None:  # a runner with no logits (the null engine): a stand-in
+            return [TokenLogProbs(0.0, (0,) * k, (0.0,) * k)] * len(chosen)
+        return log_probs(logits, chosen, k)
 
     def _decode(self) -> None:
         """One token for every running sequence (rows are slots, so all of them run).
@@ -392,20 +428,24 @@ class Engine:
             self._sample(seq, row_logits)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
-        token, log_prob = seq.sampler(logits, seq.history, len(seq.generated))
+        token = seq.sampler(logits, seq.history, len(seq.generated))
         request = seq.request
+        if request.return_log_probs:
+            rows = None if logits is None else logits[None]
+            seq.log_probs += self._log_probs(seq, rows, [token])
+        # The end token is part of the answer, as in TensorRT-LLM and vLLM: counted,
+        # returned among the ids (detokenizers skip it), never fed to the model.
+        seq.generated.append(token)
         if token == request.end_id:
             self._finish(seq, "stop")
             return
         seq.history.append(token)
-        seq.generated.append(token)
-        seq.log_probs.append(log_prob)
         if _ends_with_stop_word(seq.generated, request.stop_words):
             self._finish(seq, "stop")
         elif len(seq.generated) >= request.max_tokens:
             self._finish(seq, "length")
         elif request.streaming:
-            self._deliver(seq, self._chunk(seq, [token], [log_prob], finished=False))
+            self._deliver(seq, self._chunk(seq, [token], finished=False))
             seq.sent = len(seq.generated)
 
     def _compact(self) -> None:
@@ -437,12 +477,12 @@ class Engine:
         seq.finish_reason = reason
         request = seq.request
         if request.streaming:
-            tokens, log_probs = seq.generated[seq.sent :], seq.log_probs[seq.sent :]
+            tokens = seq.generated[seq.sent :]
         elif request.exclude_input_in_output:
-            tokens, log_probs = seq.generated, seq.log_probs
+            tokens = seq.generated
         else:
-            tokens, log_probs = list(request.input_ids) + seq.generated, seq.log_probs
-        self._deliver(seq, self._chunk(seq, tokens, log_probs, finished=True))
+            tokens = list(request.input_ids) + seq.generated
+        self._deliver(seq, self._chunk(seq, tokens, finished=True))
 
     def _deliver(self, seq: Sequence, chunk: GenerationChunk) -> None:
         """Send a chunk; a sink that cannot take it ends only its own request."""
@@ -462,16 +502,28 @@ class Engine:
             log.exception("could not send the error of %s", seq.request_id)
 
     @staticmethod
-    def _chunk(seq: Sequence, tokens, log_probs, finished: bool) -> GenerationChunk:
-        return GenerationChunk(
+    def _chunk(seq: Sequence, tokens, finished: bool) -> GenerationChunk:
+        """A response with ``tokens``: the generated ones from ``seq.sent`` on (a prompt
+        echoed before them has no log probabilities here)."""
+        request = seq.request
+        new = seq.log_probs[seq.sent :] if request.return_log_probs else []
+        chunk = GenerationChunk(
             token_ids=list(tokens),
-            log_probs=list(log_probs),
-            cum_log_prob=float(sum(seq.log_probs)),
-            num_input_tokens=len(seq.request.input_ids),
+            log_probs=[p.chosen for p in new],
+            cum_log_prob=float(sum(p.chosen for p in seq.log_probs)),
+            num_input_tokens=len(request.input_ids),
             num_output_tokens=len(seq.generated),
             finished=finished,
             finish_reason=seq.finish_reason,
+            top_log_probs=new if request.num_top_log_probs else [],
         )
+        if not seq.answered:
+            seq.answered = True
+            chunk.num_cached_tokens = seq.cache_hit
+            if request.return_prompt_log_probs:
+                chunk.prompt_ids = request.input_ids
+                chunk.prompt_log_probs = seq.prompt_log_probs
+        return chunk
 
 
 def _prefill_groups(
@@ -479,11 +531,15 @@ def _prefill_groups(
 ) -> list[list[tuple[Sequence, int]]]:
     """(sequence, tokens to prefill) of similar lengths, batched so that padding is at
     most half of a group's forward."""
-    groups: list[list[tuple[Sequence, int]]] = []
+    groups: list[list[tuple[Sequence, int]]] = [
+        [chunk] for chunk in chunks if chunk[0].request.return_prompt_log_probs
+    ]  # alone: their forwards keep every position's logits
+    alone = len(groups)
     real = 0
-    for seq, length in sorted(chunks, key=lambda chunk: chunk[1]):
+    plain = [chunk for chunk in chunks if not chunk[0].request.return_prompt_log_probs]
+    for seq, length in sorted(plain, key=lambda chunk: chunk[1]):
         # ``length``: the longest of its group so far (sorted)
-        if groups and (len(groups[-1]) + 1) * length <= 2 * (real + length):
+        if len(groups) > alone and (len(groups[-1]) + 1) * length <= 2 * (real + length):
             groups[-1].append((seq, length))
             real += length
         else:

@@ -32,6 +32,16 @@ def _word_list(get: Getter, name: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(w) for w in from_word_list(value.reshape(value.shape[-2:])))
 
 
+def _logit_bias(get: Getter) -> tuple[tuple[int, float], ...]:
+    """The dense ``embedding_bias`` ([vocabulary], or [0]: none) as (token id, bias) pairs."""
+    value = get("embedding_bias")
+    if value is None:
+        return ()
+    bias = np.asarray(value, dtype=np.float32).reshape(-1)
+    ids = np.flatnonzero(bias)
+    return tuple(zip(ids.tolist(), bias[ids].tolist(), strict=True))
+
+
 def is_stop_request(get: Getter) -> bool:
     return bool(_scalar(get, "stop", bool, False))
 
@@ -58,6 +68,7 @@ def to_generation_request(request_id: str, get: Getter) -> GenerationRequest:
         frequency_penalty=_scalar(get, "frequency_penalty", float, 0.0),
         min_tokens=_scalar(get, "min_tokens", int, 0),
         bad_words=_word_list(get, "bad_words_list"),
+        logit_bias=_logit_bias(get),
     )
     return GenerationRequest(
         request_id=request_id,
@@ -70,12 +81,14 @@ def to_generation_request(request_id: str, get: Getter) -> GenerationRequest:
         streaming=_scalar(get, "streaming", bool, False),
         exclude_input_in_output=_scalar(get, "exclude_input_in_output", bool, False),
         return_log_probs=_scalar(get, "return_log_probs", bool, False),
+        num_top_log_probs=_scalar(get, "num_top_log_probs", int, 0),
+        return_prompt_log_probs=_scalar(get, "return_prompt_log_probs", bool, False),
     )
 
 
 def chunk_to_tensors(chunk: GenerationChunk, request: GenerationRequest) -> dict[str, np.ndarray]:
     """The tensorrt_llm outputs of one response, with the batch dimension (1)."""
-    log_probs = chunk.log_probs if request.return_log_probs else [0.0] * len(chunk.log_probs)
+    log_probs = chunk.log_probs if request.return_log_probs else [0.0] * len(chunk.token_ids)
     cum = chunk.cum_log_prob if request.return_log_probs else 0.0
     return {
         "output_ids": np.array([[chunk.token_ids]], dtype=np.int32).reshape(1, 1, -1),
@@ -85,4 +98,30 @@ def chunk_to_tensors(chunk: GenerationChunk, request: GenerationRequest) -> dict
         "num_input_tokens": np.array([[chunk.num_input_tokens]], dtype=np.int32),
         "num_output_tokens": np.array([[chunk.num_output_tokens]], dtype=np.int32),
         "batch_index": np.zeros((1, 1), dtype=np.int32),
+        **_extension_tensors(chunk, request),
     }
+
+
+def _extension_tensors(chunk: GenerationChunk, request: GenerationRequest) -> dict:
+    """Our outputs beyond upstream's, each only in the responses that carry it."""
+    tensors = {}
+    if request.num_top_log_probs and request.return_log_probs:
+        tensors |= _top_tensors("top", chunk.top_log_probs, request.num_top_log_probs)
+    if chunk.num_cached_tokens is not None:  # the first response
+        tensors["num_cached_tokens"] = np.array([[chunk.num_cached_tokens]], dtype=np.int32)
+    if chunk.prompt_log_probs is not None:
+        # The first prompt token has no log probability: 0 stands in its place.
+        chosen = [0.0] + [p.chosen for p in chunk.prompt_log_probs]
+        tensors["prompt_token_ids"] = np.array([chunk.prompt_ids], dtype=np.int32)
+        tensors["prompt_log_probs"] = np.array([chosen], dtype=np.float32)
+        if request.num_top_log_probs:
+            top = _top_tensors("prompt_top", chunk.prompt_log_probs, request.num_top_log_probs)
+            tensors |= {name: np.pad(v, ((0, 0), (1, 0), (0, 0))) for name, v in top.items()}
+    return tensors
+
+
+def _top_tensors(prefix: str, positions, k: int) -> dict[str, np.ndarray]:
+    """``{prefix}_log_probs`` and ``{prefix}_token_ids``, each ``[1, positions, k]``."""
+    values = np.array([p.top_values for p in positions], dtype=np.float32).reshape(1, -1, k)
+    ids = np.array([p.top_ids for p in positions], dtype=np.int32).reshape(1, -1, k)
+    return {f"{prefix}_log_probs": values, f"{prefix}_token_ids": ids}

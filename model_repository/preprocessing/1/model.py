@@ -15,6 +15,9 @@ _INPUTS = {
     "STOP_WORDS_DICT": "stop_words",
     "END_ID": "end_id",
     "PAD_ID": "pad_id",
+    "EMBEDDING_BIAS_WORDS": "bias_words",
+    "EMBEDDING_BIAS_WEIGHTS": "bias_weights",
+    "EMBEDDING_BIAS_TOKEN_IDS": "bias_token_ids",
 }
 
 
