@@ -20,6 +20,7 @@ again in the ingress.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,7 +32,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from serve.generation import GenerateParams, GenerationChunk, coalesce
 from serve.triton.host import GenerationError
-from serve.vllm_params import sampling_kwargs
+from serve.vllm_params import ChunkReader, sampling_kwargs
 
 
 class VLLMServer(LLMServer):
@@ -56,28 +57,20 @@ class VLLMServer(LLMServer):
             if params.prompt_token_ids
             else params.prompt
         )
+        read = ChunkReader(params)
+        # Closed with this generator: an abandoned generation stops in vLLM at once.
+        async with contextlib.aclosing(self._outputs(prompt, sampling, params)) as outputs:
+            async for output in outputs:
+                yield read(output)
+
+    async def _outputs(self, prompt, sampling: SamplingParams, params: GenerateParams):
+        """vLLM's ``RequestOutput`` deltas, its client errors as ours."""
         outputs = self.engine._engine_client.generate(prompt, sampling, params.request_id)
-        generated = 0
         try:
             async for output in outputs:
-                completion = output.outputs[0]
-                generated += len(completion.token_ids)
-                reason = completion.finish_reason
-                if reason == "abort":
+                if output.outputs[0].finish_reason == "abort":
                     raise GenerationError("vLLM aborted the request", GenerationError.UNAVAILABLE)
-                ended_by_eos = reason == "stop" and completion.stop_reason is None
-                if ended_by_eos:
-                    # vLLM counts the end-of-sequence token it stopped at; TensorRT-LLM's
-                    # sequence_length (and so the Triton path's usage) does not.
-                    generated -= 1
-                yield GenerationChunk(
-                    text=completion.text,
-                    num_input_tokens=len(output.prompt_token_ids or ()),
-                    num_output_tokens=generated,
-                    cum_log_prob=completion.cumulative_logprob,
-                    finish_reason=reason if output.finished else None,
-                    **_chosen_log_probs(completion, params, ended_by_eos),
-                )
+                yield output
         except (ValueError, VLLMClientError) as error:
             # vLLM's own validation (a prompt past max_model_len: VLLMValidationError), the
             # errors Ray Serve LLM's VLLMEngine also answers as the client's.
@@ -86,18 +79,3 @@ class VLLMServer(LLMServer):
             # Closing the generator early (the client went away) aborts the request in
             # vLLM (AsyncLLM.generate aborts on GeneratorExit/cancellation).
             await outputs.aclose()
-
-
-def _chosen_log_probs(completion, params: GenerateParams, ended_by_eos: bool) -> dict:
-    """The chunk's tokens and each one's log probability, when the request asked
-    (vLLM returns, per token, a dict of the chosen and top tokens' Logprob); without
-    the end-of-sequence token, which the Triton path does not return either."""
-    if not params.return_log_probs or completion.logprobs is None:
-        return {}
-    steps = list(zip(completion.token_ids, completion.logprobs, strict=True))
-    if ended_by_eos:
-        steps = steps[:-1]
-    return {
-        "token_ids": tuple(token for token, _ in steps),
-        "token_log_probs": tuple(step[token].logprob for token, step in steps),
-    }

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.integration
 TRITON, VLLM = "tritonllm-default", "vllm-default"
 VLLM_DEPLOYMENT = f"vLLM-{VLLM}"
 PROMPTS = ["The cat", "Where is the train?", "Once upon a time", "The dog finds"]
+MESSAGES = [{"role": "user", "content": "Where is the cat?"}]
 CONFIG = ROOT / "serve" / "config.vllm.yaml"
 
 
@@ -77,7 +78,7 @@ def test_both_engines_answer_the_same_greedy_text_streamed_and_not(both_engines)
 def test_the_vllm_model_is_listed_and_answers_the_openai_sdk(both_engines):
     client = openai.OpenAI(base_url=f"{both_engines}/v1", api_key="unused", max_retries=0)
     assert {m.id for m in client.models.list()} == {TRITON, VLLM}
-    messages = [{"role": "user", "content": "Where is the cat?"}]
+    messages = MESSAGES
     answers = {}
     for model in (TRITON, VLLM):
         chat = client.chat.completions.create(model=model, messages=messages, max_tokens=16)
@@ -107,6 +108,193 @@ def test_a_prompt_past_the_context_gets_the_same_error_object_from_both(both_eng
         k: v for k, v in errors[TRITON][1]["error"].items() if k != "message"
     }
     assert "Traceback" not in error["error"]["message"]
+
+
+def events(url: str, path: str, body: dict) -> list[dict]:
+    """A streamed answer's SSE events, parsed (without the closing [DONE])."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def chat_log_probs(url: str, model: str, stream: bool) -> tuple[list[dict], str, dict]:
+    """A greedy chat answer's ``logprobs.content`` (3 alternatives per token), its
+    finish reason and usage, streamed or whole."""
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 12}
+    body |= {"logprobs": True, "top_logprobs": 3}
+    if not stream:
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        choice = answer["choices"][0]
+        return choice["logprobs"]["content"], choice["finish_reason"], answer["usage"]
+    content, finish, usage = [], None, None
+    for event in events(url, "/v1/chat/completions", body):
+        usage = event.get("usage") or usage
+        for choice in event["choices"]:
+            content += (choice["logprobs"] or {}).get("content") or []
+            finish = choice["finish_reason"] or finish
+    return content, finish, usage
+
+
+def returned(usage: dict, finish: str) -> int:
+    """The generated tokens an answer lists: all it counts but the end token that
+    stopped it (counted, as vLLM counts it; not returned, as TensorRT-LLM)."""
+    return usage["completion_tokens"] - (finish == "stop")
+
+
+def assert_same_log_probs(entries: list[dict], reference: list[dict]) -> None:
+    """Chat ``logprobs.content`` of two answers: the same tokens and alternatives, the
+    same log probabilities (to float error)."""
+    assert [e["token"] for e in entries] == [r["token"] for r in reference]
+    assert [e["logprob"] for e in entries] == pytest.approx(
+        [r["logprob"] for r in reference], abs=1e-3
+    )
+    for entry, ref in zip(entries, reference, strict=True):
+        assert [t["token"] for t in entry["top_logprobs"]] == [
+            t["token"] for t in ref["top_logprobs"]
+        ]
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
+            [t["logprob"] for t in ref["top_logprobs"]], abs=1e-3
+        )
+
+
+def test_chat_top_logprobs_are_3_alternatives_the_greedy_token_first(both_engines):
+    answers = {}
+    for model in (TRITON, VLLM):
+        for stream in (False, True):
+            content, finish, usage = chat_log_probs(both_engines, model, stream)
+            assert content and len(content) == returned(usage, finish), (model, stream)
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
+            for entry in content:
+                top = entry["top_logprobs"]
+                assert len(top) == 3, (model, stream, entry)
+                values = [t["logprob"] for t in top]
+                assert values == sorted(values, reverse=True) and values[0] <= 0
+                # Greedy: the chosen token is the most likely one, its log probability
+                # the same number.
+                assert (top[0]["token"], top[0]["logprob"]) == (entry["token"], entry["logprob"])
+            answers[model, stream] = content, finish, usage
+    reference, finish, usage = answers[TRITON, False]
+    for (model, stream), (content, their_finish, their_usage) in answers.items():
+        assert (their_finish, their_usage) == (finish, usage), (model, stream)
+        assert_same_log_probs(content, reference)
+
+
+def completion_echo(url: str, model: str, stream: bool) -> tuple[dict, str, str, dict]:
+    """``echo`` with ``logprobs: 1``: the choice's logprobs, text, finish reason and usage."""
+    body = {"model": model, "prompt": PROMPTS[2], "max_tokens": 8, "echo": True, "logprobs": 1}
+    if not stream:
+        answer = complete(url, model, PROMPTS[2], max_tokens=8, echo=True, logprobs=1)
+        choice = answer["choices"][0]
+        return choice["logprobs"], choice["text"], choice["finish_reason"], answer["usage"]
+    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    text, finish, usage = [], None, None
+    for event in events(url, "/v1/completions", body):
+        usage = event.get("usage") or usage
+        for choice in event["choices"]:
+            text.append(choice["text"])
+            finish = choice["finish_reason"] or finish
+            for key, values in joined.items():
+                values += (choice["logprobs"] or {}).get(key) or []
+    return joined, "".join(text), finish, usage
+
+
+def test_completions_echo_with_logprobs_lists_the_prompt_tokens_first_none_first(both_engines):
+    answers = {}
+    for model in (TRITON, VLLM):
+        for stream in (False, True):
+            log_probs, text, finish, usage = completion_echo(both_engines, model, stream)
+            prompt = usage["prompt_tokens"]  # the prompt's tokens, its BOS included
+            tokens = log_probs["tokens"]
+            assert text.startswith(PROMPTS[2]) and text == PROMPTS[2] + "".join(tokens[prompt:])
+            assert len(tokens) == prompt + returned(usage, finish), (model, stream)
+            assert log_probs["token_logprobs"][0] is None and log_probs["top_logprobs"][0] is None
+            for token, value, top in zip(
+                tokens[1:],
+                log_probs["token_logprobs"][1:],
+                log_probs["top_logprobs"][1:],
+                strict=True,
+            ):
+                # The most likely token, and the token itself (OpenAI's and vLLM's shape).
+                assert value <= 0 and top[token] == value and 1 <= len(top) <= 2
+                assert max(top.values()) >= value
+            answers[model, stream] = log_probs, text, finish, usage
+    reference = answers[TRITON, False]
+    for key, (log_probs, text, finish, usage) in answers.items():
+        assert (text, finish, usage) == reference[1:], key
+        assert log_probs["tokens"] == reference[0]["tokens"], key
+        values, expected = log_probs["token_logprobs"], reference[0]["token_logprobs"]
+        assert values[0] is None and values[1:] == pytest.approx(expected[1:], abs=1e-3)
+        tops = zip(log_probs["top_logprobs"][1:], reference[0]["top_logprobs"][1:], strict=True)
+        for top, ref in tops:
+            assert top == pytest.approx(ref, abs=1e-3), key
+
+
+def test_logit_bias_forces_and_bans_tokens_alike_on_both(both_engines, tokenizer):
+    def token_id(text: str) -> int:
+        # The API lists tokens as the ingress decodes them, one by one: back to the id.
+        (found,) = [i for i in range(len(tokenizer)) if tokenizer.decode([i]) == text]
+        return found
+
+    forced = tokenizer.encode(" river", add_special_tokens=False)[0]
+    answers = {}
+    for model in (TRITON, VLLM):
+        free = complete(both_engines, model, PROMPTS[0], max_tokens=6, logprobs=2)
+        first, second = sorted(
+            free["choices"][0]["logprobs"]["top_logprobs"][0].items(), key=lambda t: -t[1]
+        )
+        assert free["choices"][0]["logprobs"]["tokens"][0] == first[0]
+        banned = complete(
+            both_engines,
+            model,
+            PROMPTS[0],
+            max_tokens=6,
+            logprobs=0,
+            logit_bias={str(token_id(first[0])): -100},
+        )["choices"][0]
+        # The otherwise greedy first token banned: the runner-up comes, with the model's
+        # own log probability (the bias is not in it).
+        assert banned["logprobs"]["tokens"][0] == second[0], model
+        assert banned["logprobs"]["token_logprobs"][0] == pytest.approx(second[1], abs=1e-4)
+        pushed = complete(
+            both_engines,
+            model,
+            PROMPTS[0],
+            max_tokens=4,
+            logprobs=0,
+            logit_bias={str(forced): 100},
+        )["choices"][0]
+        assert (
+            pushed["text"] == tokenizer.decode([forced] * 4) and pushed["finish_reason"] == "length"
+        )
+        assert pushed["logprobs"]["tokens"] == [tokenizer.decode([forced])] * 4
+        assert max(pushed["logprobs"]["token_logprobs"]) < -1  # the model's own: unlikely
+        answers[model] = banned, pushed
+    for triton, vllm in zip(answers[TRITON], answers[VLLM], strict=True):
+        assert vllm["text"] == triton["text"]
+        assert vllm["logprobs"]["token_logprobs"] == pytest.approx(
+            triton["logprobs"]["token_logprobs"], abs=1e-3
+        )
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_on_both(both_engines):
+    # Longer than a KV block (vLLM on CPU: 128 tokens; the torch engine: 16).
+    prompt = " ".join(["The teacher sends a long letter to the robot near the sea."] * 16)
+    for model in (TRITON, VLLM):
+        first, again = (
+            complete(both_engines, model, f"{model}: {prompt}", max_tokens=2) for _ in "12"
+        )
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, model
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < cached < again["usage"]["prompt_tokens"], (model, again["usage"])
+        assert {k: v for k, v in again["usage"].items() if k != "prompt_tokens_details"} == {
+            k: v for k, v in first["usage"].items() if k != "prompt_tokens_details"
+        }
 
 
 def test_a_killed_vllm_replica_is_replaced_and_nothing_hangs(both_engines, cluster):
