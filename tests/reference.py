@@ -21,3 +21,9 @@ def hf_greedy(model, tokenizer, prompt: str, max_tokens: int, end_id: int | None
     if eos in generated:
         generated = generated[: generated.index(eos)]
     return generated
+
+
+def counted(expected: list[int], max_tokens: int) -> int:
+    """The generated-token count an engine reports for ``expected`` (``hf_greedy``'s
+    ids): the end token counts too when it ended the answer (as vLLM counts it)."""
+    return len(expected) + (len(expected) < max_tokens)

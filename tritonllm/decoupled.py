@@ -46,13 +46,8 @@ class TritonSink:
             self._sender.send(pb.InferenceResponse(error=item), flags=final)
             return True
         chunk = item
-        # A stream's end after its tokens (an EOS) is a bare final flag, as TensorRT-LLM
-        # sends it; an answer that ends before any token still needs one response, or
-        # the client never learns the prompt's token count.
-        streamed = self._generation_request.streaming and chunk.num_output_tokens
-        if chunk.finished and not chunk.token_ids and streamed:
-            self._sender.send(flags=final)
-            return True
+        # A stream's end (an EOS) carries the counts, with no tokens: the end token is
+        # counted but not returned, so the last counts are the final response's.
         tensors = chunk_to_tensors(chunk, self._generation_request)
         response = pb.InferenceResponse(
             output_tensors=[pb.Tensor(name, value) for name, value in tensors.items()]

@@ -52,7 +52,8 @@ class Backend(Protocol):
         self, model: ModelConfig, params: GenerateParams
     ) -> tuple[str, GenerationChunk]:
         """The whole answer and its last chunk (finish reason, token counts), whose
-        ``token_ids`` and ``token_log_probs`` are the whole answer's."""
+        ``token_ids``, ``token_log_probs`` and ``top_log_probs`` are the whole answer's (and
+        ``prompt`` the first chunk's)."""
 
     async def embed(self, model: ModelConfig, texts: list[str]) -> Embeddings:
         """One vector per text."""

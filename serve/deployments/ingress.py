@@ -191,12 +191,20 @@ class OpenAIIngress:
             return await attempt(model, params)
 
     async def _collect(self, model: ModelConfig, params: GenerateParams):
-        text, token_ids, log_probs = [], [], []
+        text, token_ids, log_probs, top = [], [], [], []
+        prompt = None
         async for chunk in self._stream(model, params):
             text.append(chunk.text)
             token_ids += chunk.token_ids
             log_probs += chunk.token_log_probs
-        whole = {"token_ids": tuple(token_ids), "token_log_probs": tuple(log_probs)}
+            top += chunk.top_log_probs
+            prompt = prompt or chunk.prompt
+        whole = {
+            "token_ids": tuple(token_ids),
+            "token_log_probs": tuple(log_probs),
+            "top_log_probs": tuple(top),
+            "prompt": prompt,
+        }
         return "".join(text), dataclasses.replace(chunk, **whole)
 
     async def _stream(

@@ -119,7 +119,7 @@ def chunk_from_outputs(
 
 def _top(outputs: dict[str, np.ndarray], prefix: str, positions: int) -> tuple[TopLogProbs, ...]:
     """``{prefix}_token_ids`` and ``{prefix}_log_probs`` ([1, positions, k]) per position."""
-    if f"{prefix}_token_ids" not in outputs:
+    if f"{prefix}_token_ids" not in outputs or not positions:  # (the final response: none)
         return ()
     ids = outputs[f"{prefix}_token_ids"].reshape(positions, -1).tolist()
     values = outputs[f"{prefix}_log_probs"].reshape(positions, -1).tolist()

@@ -18,6 +18,7 @@ import yaml
 
 from serve.triton.launcher import free_port
 from tests.conftest import ROOT
+from tests.integration.abandon import abandon_then_serve
 from tests.integration.repositories import repository_with_limits
 from tests.unit.test_embeddings import SENTENCES, cosine
 
@@ -26,18 +27,24 @@ MODEL = "tritonllm-default"
 
 
 @pytest.fixture(scope="module")
-def app_url(checkpoint_dir, built_embedding_repository, tmp_path_factory):
-    """`serve run` on the project's config, over a one-slot repository of the default model
-    (one slot makes "the abandoned request was freed" observable)."""
-    scratch = tmp_path_factory.mktemp("serve")
-    repository = repository_with_limits(
+def one_slot_repository(checkpoint_dir, tmp_path_factory) -> Path:
+    """The default model with one engine slot (it makes "the abandoned request was
+    freed" observable)."""
+    scratch = tmp_path_factory.mktemp("one_slot")
+    return repository_with_limits(
         checkpoint_dir, scratch / "model_repository", "--max-batch-size", "1"
     )
+
+
+@pytest.fixture(scope="module")
+def app_url(one_slot_repository, built_embedding_repository, tmp_path_factory):
+    """`serve run` on the project's config, over a one-slot repository of the default model."""
+    scratch = tmp_path_factory.mktemp("serve")
     config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
     port = free_port()
     config["http_options"]["port"] = port
     model = config["applications"][0]["args"]["models"][0]
-    model["triton"]["model_repository"] = str(repository)
+    model["triton"]["model_repository"] = str(one_slot_repository)
     (scratch / "config.yaml").write_text(yaml.safe_dump(config))
     log = (scratch / "serve.log").open("w")
     process = subprocess.Popen(  # what `make run` runs, in the Serve mode it ships
@@ -147,7 +154,8 @@ def test_generate_get_and_post_match_completions(app_url, client):
         ({"model": "nope", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "prompt": "x", "tools": []}, 400, "tools"),
         ({"model": MODEL, "prompt": "x", "n": 65}, 400, "n"),
-        ({"model": MODEL, "prompt": "x", "logprobs": 1}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "temperature": 5}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
@@ -203,6 +211,16 @@ def test_a_client_that_disconnects_mid_stream_frees_the_engine(app_url, client):
     start = time.monotonic()
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
     assert time.monotonic() - start < full_s / 2, (time.monotonic() - start, full_s)
+
+
+def test_clients_that_give_up_on_whole_answers_free_the_engine_at_once(
+    app_url, one_slot_repository
+):
+    """Through HAProxy (the shipped mode): each client's close reaches its ingress
+    replica, whose Serve cancels the request down to the engine. Before HAProxy ran
+    without splicing, about half of them ran to their end: 30 x 400 tokens on one slot."""
+    idle_s, short_s = abandon_then_serve(app_url, one_slot_repository)
+    assert idle_s < 1 and short_s < 2, (idle_s, short_s)
 
 
 EMBEDDINGS = "all-MiniLM-L6-v2"
@@ -380,7 +398,9 @@ def test_logprobs_of_the_chosen_tokens_whole_and_streamed(client):
     whole = client.chat.completions.create(**asked)
     tokens = whole.choices[0].logprobs.content
     assert "".join(t.token for t in tokens) == whole.choices[0].message.content
-    assert len(tokens) == whole.usage.completion_tokens and all(t.logprob <= 0 for t in tokens)
+    ended = whole.choices[0].finish_reason == "stop"  # the end token: counted, not listed
+    assert len(tokens) + ended == whole.usage.completion_tokens
+    assert all(t.logprob <= 0 for t in tokens)
     streamed = [
         t
         for chunk in client.chat.completions.create(**asked, stream=True)
@@ -396,6 +416,70 @@ def test_logprobs_of_the_chosen_tokens_whole_and_streamed(client):
     logprobs = completion.choices[0].logprobs
     assert "".join(logprobs.tokens) == completion.choices[0].text
     assert logprobs.text_offset[0] == 0 and len(logprobs.token_logprobs) == 8
+
+
+def test_top_logprobs_list_alternatives_whole_and_streamed(client):
+    asked = dict(model=MODEL, messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**asked, temperature=0)
+    tokens = whole.choices[0].logprobs.content
+    for token in tokens:  # greedy: the chosen token is the most likely one
+        assert len(token.top_logprobs) == 3
+        assert token.top_logprobs[0].token == token.token
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob)
+        assert [t.logprob for t in token.top_logprobs] == sorted(
+            (t.logprob for t in token.top_logprobs), reverse=True
+        )
+    streamed = [
+        t
+        for chunk in client.chat.completions.create(**asked, temperature=0, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for t in chunk.choices[0].logprobs.content
+    ]
+    assert [[a.token for a in t.top_logprobs] for t in streamed] == [
+        [a.token for a in t.top_logprobs] for t in tokens
+    ]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, checkpoint_dir):
+    """lm-eval's loglikelihood requests: token ids, echo, logprobs 1, one token."""
+    from tritonllm.tokenization import load_tokenizer
+
+    ids = load_tokenizer(str(checkpoint_dir)).encode("The cat sits on the mat")
+    answer = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    logprobs = answer.choices[0].logprobs
+    assert len(logprobs.tokens) == len(ids) + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(p <= 0 for p in logprobs.token_logprobs[1:])
+    greedy = logprobs.top_logprobs[-1]  # the generated token: greedy, so the top one
+    assert max(greedy, key=greedy.get) == logprobs.tokens[-1]
+
+
+def test_logit_bias_forces_and_bans_a_token(client, checkpoint_dir):
+    from tritonllm.tokenization import load_tokenizer
+
+    river = load_tokenizer(str(checkpoint_dir)).encode(" river", add_special_tokens=False)[0]
+    asked = dict(model=MODEL, prompt="The cat", max_tokens=4, temperature=0, logprobs=0)
+    asked |= {"extra_body": {"ignore_eos": True}}
+    free = client.completions.create(**asked)
+    forced = client.completions.create(**asked, logit_bias={str(river): 100})
+    assert forced.choices[0].text == " river" * 4
+    first = free.choices[0].logprobs.tokens[0]
+    first_id = load_tokenizer(str(checkpoint_dir)).encode(first, add_special_tokens=False)[0]
+    banned = client.completions.create(**asked, logit_bias={str(first_id): -100})
+    assert banned.choices[0].logprobs.tokens[0] != first
+    with pytest.raises(openai.BadRequestError, match="10000000"):
+        client.completions.create(**asked, logit_bias={"10000000": 5})
+
+
+def test_usage_reports_the_prompt_tokens_read_from_the_prefix_cache(client):
+    prompt = " ".join(["The teacher sends a long letter to the robot near the sea."] * 5)
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert again.usage.prompt_tokens - 16 <= cached < again.usage.prompt_tokens
 
 
 def test_a_token_id_prompt_answers_as_its_text_does(app_url, client, checkpoint_dir):

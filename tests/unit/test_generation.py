@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
 
-from serve.generation import GenerationChunk, coalesce
+from serve.generation import GenerateParams, GenerationChunk, TopLogProbs, coalesce
+from serve.triton.requests import chunk_from_outputs
 
 
 def chunk(i: int, reason: str | None = None) -> GenerationChunk:
@@ -88,3 +90,39 @@ def test_closing_early_closes_the_source():
 
     asyncio.run(run())
     assert closed == [True]
+
+
+def test_a_chunk_from_ensemble_outputs_carries_alternatives_prompt_and_cache_count():
+    params = GenerateParams("p", 4, return_log_probs=True, top_log_probs=2, prompt_log_probs=True)
+    first = {
+        "text_output": np.array([[b" a"]], dtype=object),
+        "num_input_tokens": np.array([[3]], dtype=np.int32),
+        "num_output_tokens": np.array([[1]], dtype=np.int32),
+        "num_cached_tokens": np.array([[2]], dtype=np.int32),
+        "output_ids": np.array([[[7]]], dtype=np.int32),
+        "output_log_probs": np.array([[[-0.5]]], dtype=np.float32),
+        "top_token_ids": np.array([[[7, 8]]], dtype=np.int32),
+        "top_log_probs": np.array([[[-0.5, -1.5]]], dtype=np.float32),
+        "prompt_token_ids": np.array([[1, 2, 3]], dtype=np.int32),
+        "prompt_log_probs": np.array([[0.0, -1.0, -2.0]], dtype=np.float32),
+        "prompt_top_token_ids": np.array([[[0, 0], [2, 4], [3, 5]]], dtype=np.int32),
+        "prompt_top_log_probs": np.array([[[0, 0], [-1, -3], [-2, -4]]], dtype=np.float32),
+    }
+    chunk = chunk_from_outputs(first, params)
+    assert chunk.top_log_probs == (TopLogProbs((7, 8), (-0.5, -1.5)),)
+    assert chunk.prompt.token_ids == (1, 2, 3) and chunk.prompt.log_probs == (None, -1.0, -2.0)
+    assert chunk.prompt.top_log_probs[0] is None
+    assert chunk.prompt.top_log_probs[2] == TopLogProbs((3, 5), (-2.0, -4.0))
+    # The final response of an EOS: no tokens; what only the first said is kept.
+    final = {
+        "text_output": np.array([[b""]], dtype=object),
+        "num_input_tokens": np.array([[3]], dtype=np.int32),
+        "num_output_tokens": np.array([[2]], dtype=np.int32),
+        "output_ids": np.zeros((1, 1, 0), dtype=np.int32),
+        "output_log_probs": np.zeros((1, 1, 0), dtype=np.float32),
+        "top_token_ids": np.zeros((1, 0, 2), dtype=np.int32),
+        "top_log_probs": np.zeros((1, 0, 2), dtype=np.float32),
+    }
+    last = chunk_from_outputs(final, params, chunk)
+    assert last.top_log_probs == () and last.prompt is None and last.num_cached_tokens == 2
+    assert chunk.merged(last).prompt == chunk.prompt

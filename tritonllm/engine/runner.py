@@ -101,7 +101,9 @@ class CausalLMRunner:
             cache.plan_prefill(slots, width, starts, lengths)
             offsets = torch.tensor(starts, device=self.device)[:, None]
             positions = offsets + torch.arange(width, device=self.device)[None, :]
-            mask = self._prefix_prefill_mask(positions, offsets[:, 0] + torch.tensor(lengths))
+            mask = self._prefix_prefill_mask(
+                positions, offsets[:, 0] + torch.tensor(lengths, device=self.device)
+            )
         else:
             cache.plan_prefill(slots, width)
             positions = None

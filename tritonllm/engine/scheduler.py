@@ -134,6 +134,7 @@ class Sequence:
     finish_reason: str | None = None
     sent: int = 0  # generated tokens already streamed
     answered: bool = False  # its first response is out
+    ended_by_end_id: bool = False  # the end token came (counted, not returned)
 
     @property
     def request_id(self) -> str:
@@ -430,15 +431,17 @@ class Engine:
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         token = seq.sampler(logits, seq.history, len(seq.generated))
         request = seq.request
+        if token == request.end_id:
+            # Counted as a generated token (usage and billing count it, as vLLM does) but
+            # not returned: TensorRT-LLM leaves the end id out of output_ids, so no
+            # detokenizer ever sees it, special token or not.
+            seq.ended_by_end_id = True
+            self._finish(seq, "stop")
+            return
         if request.return_log_probs:
             rows = None if logits is None else logits[None]
             seq.log_probs += self._log_probs(seq, rows, [token])
-        # The end token is part of the answer, as in TensorRT-LLM and vLLM: counted,
-        # returned among the ids (detokenizers skip it), never fed to the model.
         seq.generated.append(token)
-        if token == request.end_id:
-            self._finish(seq, "stop")
-            return
         seq.history.append(token)
         if _ends_with_stop_word(seq.generated, request.stop_words):
             self._finish(seq, "stop")
@@ -512,7 +515,7 @@ class Engine:
             log_probs=[p.chosen for p in new],
             cum_log_prob=float(sum(p.chosen for p in seq.log_probs)),
             num_input_tokens=len(request.input_ids),
-            num_output_tokens=len(seq.generated),
+            num_output_tokens=len(seq.generated) + seq.ended_by_end_id,
             finished=finished,
             finish_reason=seq.finish_reason,
             top_log_probs=new if request.num_top_log_probs else [],
