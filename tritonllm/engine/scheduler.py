@@ -127,6 +127,7 @@ class Sequence:
     history: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     log_probs: list[TokenLogProbs] = field(default_factory=list)  # if the request asks
+    cum_log_prob: float = 0.0  # their sum
     prompt_log_probs: list[TokenLogProbs] = field(default_factory=list)  # tokens 1..
     slot: int = -1  # its row in the KV cache while running
     cached: int = 0  # tokens whose keys and values are in the cache
@@ -440,7 +441,9 @@ class Engine:
             return
         if request.return_log_probs:
             rows = None if logits is None else logits[None]
-            seq.log_probs += self._log_probs(seq, rows, [token])
+            (chosen,) = self._log_probs(seq, rows, [token])
+            seq.log_probs.append(chosen)
+            seq.cum_log_prob += chosen.chosen
         seq.generated.append(token)
         seq.history.append(token)
         if _ends_with_stop_word(seq.generated, request.stop_words):
@@ -513,7 +516,7 @@ class Engine:
         chunk = GenerationChunk(
             token_ids=list(tokens),
             log_probs=[p.chosen for p in new],
-            cum_log_prob=float(sum(p.chosen for p in seq.log_probs)),
+            cum_log_prob=seq.cum_log_prob,
             num_input_tokens=len(request.input_ids),
             num_output_tokens=len(seq.generated) + seq.ended_by_end_id,
             finished=finished,
