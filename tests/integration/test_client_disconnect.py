@@ -11,12 +11,9 @@ pass each client's close on to the replica.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import socket
 import ssl
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +28,7 @@ from serve.triton.launcher import free_port
 from tests.conftest import ROOT
 from tests.integration.abandon import abandon_then_serve
 from tests.integration.repositories import repository_with_limits
-from tests.integration.test_serve_app import wait_ready
+from tests.integration.test_serve_app import launched
 
 pytestmark = pytest.mark.integration
 
@@ -146,24 +143,9 @@ def default_mode_stack(checkpoint_dir, tmp_path_factory):
     model["deployment"].pop("autoscaling_config")
     model["deployment"] |= {"num_replicas": 1, "max_ongoing_requests": 4}
     (scratch / "config.yaml").write_text(yaml.safe_dump(config))
-    log = scratch / "serve.log"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "serve.launch", "--mode", "default", str(scratch / "config.yaml")],
-        cwd=ROOT,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, process, log)
+    config_path = scratch / "config.yaml"
+    with launched(config_path, port, scratch / "serve.log", "--mode", "default") as url:
         yield url, repository
-    finally:
-        os.killpg(process.pid, signal.SIGINT)  # serve run's Ctrl-C: Serve, Ray, Triton
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_in_the_default_mode_clients_that_give_up_free_the_engine_at_once(default_mode_stack):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -46,20 +47,29 @@ def app_url(one_slot_repository, built_embedding_repository, tmp_path_factory):
     model = config["applications"][0]["args"]["models"][0]
     model["triton"]["model_repository"] = str(one_slot_repository)
     (scratch / "config.yaml").write_text(yaml.safe_dump(config))
-    log = (scratch / "serve.log").open("w")
-    process = subprocess.Popen(  # what `make run` runs, in the Serve mode it ships
-        [sys.executable, "-m", "serve.launch", str(scratch / "config.yaml")],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    # What `make run` runs, in the Serve mode it ships.
+    with launched(scratch / "config.yaml", port, scratch / "serve.log") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def launched(config_path: Path, port: int, log_path: Path, *launch_args: str):
+    """`python -m serve.launch [launch_args] config_path` until every model is ready; the
+    URL, then Ctrl-C (Serve, Ray, HAProxy, Triton), SIGKILL after a minute."""
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "serve.launch", *launch_args, str(config_path)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, process, scratch / "serve.log")
+        wait_ready(url, process, log_path)
         yield url
     finally:
-        os.killpg(process.pid, signal.SIGINT)  # serve run's Ctrl-C: Serve, Ray, Triton
+        os.killpg(process.pid, signal.SIGINT)
         try:
             process.wait(60)
         except subprocess.TimeoutExpired:
