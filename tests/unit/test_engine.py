@@ -14,6 +14,9 @@ from tritonllm.engine.sampling import SamplingParams
 from tritonllm.engine.scheduler import Engine, EngineBusy
 from tritonllm.tokenization import InvalidRequest
 
+# On any device (CUDA's default is bfloat16): the references are transformers' float32.
+DTYPE = "float32"
+
 
 class CollectingSink:
     def __init__(self, cancelled: bool = False):
@@ -42,7 +45,7 @@ class CollectingSink:
 
 @pytest.fixture(scope="module")
 def engine(checkpoint_dir):
-    engine = Engine(CausalLMRunner(checkpoint_dir), max_batch_size=4, max_queue_size=8)
+    engine = Engine(CausalLMRunner(checkpoint_dir, dtype=DTYPE), max_batch_size=4, max_queue_size=8)
     yield engine
     engine.shutdown()
 
@@ -148,7 +151,7 @@ def test_limits_are_checked_before_any_work(engine, tokenizer):
 
 
 def test_full_queue_answers_busy(checkpoint_dir, tokenizer):
-    engine = Engine(CausalLMRunner(checkpoint_dir), max_batch_size=1, max_queue_size=1)
+    engine = Engine(CausalLMRunner(checkpoint_dir, dtype=DTYPE), max_batch_size=1, max_queue_size=1)
     try:
         sinks = [CollectingSink() for _ in range(3)]
         engine.submit(request(tokenizer, "The cat", 200, rid="a"), sinks[0])
@@ -183,7 +186,7 @@ def make_engine(checkpoint_dir):
     engines = []
 
     def make(**kwargs):
-        engines.append(Engine(CausalLMRunner(checkpoint_dir), **kwargs))
+        engines.append(Engine(CausalLMRunner(checkpoint_dir, dtype=DTYPE), **kwargs))
         return engines[-1]
 
     yield make
