@@ -116,7 +116,6 @@ ENSEMBLE_INPUTS = (
     *_ENGINE_EXTENSION_INPUTS,
 )
 
-
 ENSEMBLE_OUTPUTS = (
     _t("text_output", "STRING", -1),
     # The generated ids, as tensorrt_llm returns them (an extension of NVIDIA's

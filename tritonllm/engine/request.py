@@ -24,10 +24,6 @@ class GenerationRequest:
     num_top_log_probs: int = 0  # alternatives per generated token (with return_log_probs)
     return_prompt_log_probs: bool = False
 
-    @property
-    def wants_log_probs(self) -> bool:
-        return self.return_log_probs or self.return_prompt_log_probs
-
     def validate(self, max_seq_len: int, vocab_size: int) -> None:
         """Reject what cannot be served, naming the limit (before any compute)."""
         if not self.input_ids:

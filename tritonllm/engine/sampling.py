@@ -98,8 +98,10 @@ class TokenSampler:
         """
         scores = logits.to(torch.float32, copy=True).unsqueeze(0)
         if self.params.logit_bias:
-            bias_ids = self._bias_ids.to(scores.device)
-            scores[0].index_add_(0, bias_ids, self._bias_values.to(scores.device))
+            if self._bias_ids.device != scores.device:  # once: the logits' device
+                self._bias_ids = self._bias_ids.to(scores.device)
+                self._bias_values = self._bias_values.to(scores.device)
+            scores[0].index_add_(0, self._bias_ids, self._bias_values)
         if self._reads_history:
             scores = self._penalize(
                 scores, torch.as_tensor(history, dtype=torch.long), num_generated
