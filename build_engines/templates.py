@@ -29,8 +29,10 @@ def render_tensors(
     """``input [ ... ]`` or ``output [ ... ]`` in config.pbtxt syntax.
 
     ``tensorrtllm``: the input attributes of NVIDIA's tensorrt_llm/config.pbtxt for the
-    C++ backend: ``[1]`` inputs reach it as scalars (``reshape: { shape: [ ] }``) and
-    variable-length ones may be batched ragged (``allow_ragged_batch: true``).
+    C++ backend: ``[1]`` inputs reach it as scalars (``reshape: { shape: [ ] }``), but
+    for the strings (the guided decoding guide and its type, read as ``[1]``, as upstream
+    declares them), and variable-length ones may be batched ragged
+    (``allow_ragged_batch: true``).
 
     ``ragged`` marks variable-size inputs ``allow_ragged_batch``: without it Triton's
     dynamic batcher only merges requests whose shapes are equal (stop words of other
@@ -41,7 +43,8 @@ def render_tensors(
     for t in tensors:
         dims = ", ".join(str(d) for d in t.dims)
         extra = " optional: true" if t.optional else ""
-        if kind == "input" and tensorrtllm and t.dims == (1,):
+        scalar = t.dims == (1,) and t.triton_dtype != "TYPE_STRING"
+        if kind == "input" and tensorrtllm and scalar:
             extra += " reshape: { shape: [ ] }"
         if kind == "input" and (tensorrtllm or ragged) and -1 in t.dims:
             extra += " allow_ragged_batch: true"

@@ -83,6 +83,14 @@ _ENGINE_EXTENSION_OUTPUTS = (
     _ext("num_cached_tokens", "INT32", 1),  # prompt tokens read from the prefix cache
 )
 
+# TensorRT-LLM's guided decoding inputs (its names and shapes, on the ensemble and the
+# tensorrt_llm step alike) and its guide types (tritonllm/guided.py compiles them).
+_GUIDED_DECODING_INPUTS = (
+    _opt("guided_decoding_guide_type", "STRING", 1),
+    _opt("guided_decoding_guide", "STRING", 1),
+)
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
+
 ENSEMBLE_INPUTS = (
     _t("text_input", "STRING", 1),
     _t("max_tokens", "INT32", 1),
@@ -113,6 +121,10 @@ ENSEMBLE_INPUTS = (
     _opt("embedding_bias_words", "STRING", -1),
     _opt("embedding_bias_weights", "FP32", -1),
     _opt("embedding_bias_token_ids", "INT32", -1),
+    # Guided decoding (structured outputs), as TensorRT-LLM's backends take it: one of
+    # GUIDE_TYPES and the guide's text (a JSON Schema, a regex, an EBNF grammar, an
+    # XGrammar structural tag; nothing for "json"). Straight to the tensorrt_llm step.
+    *_GUIDED_DECODING_INPUTS,
     *_ENGINE_EXTENSION_INPUTS,
 )
 
@@ -179,6 +191,7 @@ TENSORRT_LLM_INPUTS = (
     _opt("return_num_output_tokens", "BOOL", 1),
     _opt("embedding_bias", "FP32", -1),
     _opt("stop", "BOOL", 1),
+    *_GUIDED_DECODING_INPUTS,
     *_ENGINE_EXTENSION_INPUTS,
 )
 

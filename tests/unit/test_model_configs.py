@@ -95,6 +95,23 @@ def test_ensemble_wiring_uses_real_tensor_names(configs):
     assert {t.name for t in contract.ENSEMBLE_OUTPUTS} <= produced
 
 
+def test_guided_decoding_goes_straight_to_the_engine(configs):
+    ensemble = configs[contract.ENSEMBLE]
+    names = ("guided_decoding_guide_type", "guided_decoding_guide")
+    engine_step = next(
+        s for s in ensemble.ensemble_scheduling.step if s.model_name == contract.TENSORRT_LLM
+    )
+    for name in names:
+        assert engine_step.input_map[name] == name
+        for model in (contract.ENSEMBLE, contract.TENSORRT_LLM):
+            spec = contract.tensor(model, name)
+            assert (spec.triton_dtype, spec.dims, spec.optional) == ("TYPE_STRING", (1,), True)
+            assert not spec.engine_extension  # TensorRT-LLM's backends take them
+    for step in ensemble.ensemble_scheduling.step:
+        if step.model_name != contract.TENSORRT_LLM:
+            assert not set(names) & set(step.input_map.values())
+
+
 def test_the_embeddings_model_batches_and_names_its_weights(configs):
     config = configs[contract.EMBEDDINGS]
     assert config.backend == "python"

@@ -68,6 +68,8 @@ UPSTREAM_TENSORS = {
     "stop": ("TYPE_BOOL", (1,), R),
     "embedding_bias": ("TYPE_FP32", (-1,), G),
     "streaming": ("TYPE_BOOL", (1,), R),
+    "guided_decoding_guide_type": ("TYPE_STRING", (1,), None),
+    "guided_decoding_guide": ("TYPE_STRING", (1,), None),
     "output_ids": ("TYPE_INT32", (-1, -1), None),
     "sequence_length": ("TYPE_INT32", (-1,), None),
     "cum_log_probs": ("TYPE_FP32", (-1,), None),
