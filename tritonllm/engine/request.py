@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tritonllm.contract import MAX_TOP_LOG_PROBS
 from tritonllm.engine.sampling import SamplingParams
+from tritonllm.guided import check_guide
 from tritonllm.tokenization import InvalidRequest
 
 
@@ -23,6 +24,10 @@ class GenerationRequest:
     return_log_probs: bool = False
     num_top_log_probs: int = 0  # alternatives per generated token (with return_log_probs)
     return_prompt_log_probs: bool = False
+    # Guided decoding (TensorRT-LLM's guided_decoding_guide_type / _guide): one of
+    # tritonllm.contract.GUIDE_TYPES, or None for none; the guide's text.
+    guide_type: str | None = None
+    guide: str = ""
 
     def validate(self, max_seq_len: int, vocab_size: int) -> None:
         """Reject what cannot be served, naming the limit (before any compute)."""
@@ -43,6 +48,8 @@ class GenerationRequest:
             raise InvalidRequest(
                 f"embedding_bias is longer than the vocabulary ({vocab_size} tokens)"
             )
+        if self.guide_type is not None:
+            check_guide(self.guide_type, self.guide)  # the grammar itself: at compilation
         total = len(self.input_ids) + self.max_tokens
         if total > max_seq_len:
             raise InvalidRequest(

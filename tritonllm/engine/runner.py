@@ -42,6 +42,7 @@ class CausalLMRunner:
                 f"engine_dir {engine_dir} has no config.json: run `make engines` "
                 "or pass MODEL=<hf checkpoint dir>"
             )
+        self.engine_dir = engine_dir  # the checkpoint, with its tokenizer (guided decoding)
         self.device = pick_device(device)
         torch_dtype = _DTYPES.get(dtype) or (
             torch.float32 if self.device.type == "cpu" else torch.bfloat16

@@ -2,6 +2,15 @@
 
 Each sequence owns a :class:`TokenSampler` with its own ``torch.Generator``, so
 a seeded request draws the same tokens whatever else shares the batch.
+
+Guided decoding: a constrained sequence's sampler holds an XGrammar matcher and a
+bitmask of the tokens its grammar allows next. The mask applies after the logit bias
+and the penalties, before the greedy choice or the temperature/top-k/top-p warpers;
+the chosen token is then fed to the matcher. Where the bias, bad words or min_tokens
+leave none of the tokens the grammar allows (min_tokens once the grammar is complete
+and allows only the end token), the grammar wins: the choice is made among its tokens
+from the model's own logits, so min_tokens never forces text past a completed grammar.
+Unconstrained sequences have no matcher and do none of this.
 """
 
 from __future__ import annotations
@@ -65,10 +74,28 @@ _NO_IDS = torch.empty((1, 0), dtype=torch.long)
 
 
 class TokenSampler:
-    """Chooses the next token of one sequence from its last logits."""
+    """Chooses the next token of one sequence from its last logits.
 
-    def __init__(self, params: SamplingParams, end_id: int | None):
+    ``matcher`` (an ``xgrammar.GrammarMatcher``, from
+    :meth:`tritonllm.guided.GuideCompiler.matcher`) constrains the choice to its grammar,
+    compiled for ``vocab_size`` tokens (the logits' width).
+    """
+
+    def __init__(
+        self, params: SamplingParams, end_id: int | None, matcher=None, vocab_size: int = 0
+    ):
         self.params = params
+        self._matcher = matcher
+        # The grammar admits no further token (complete, and no end token to choose):
+        # the scheduler ends the sequence with "stop".
+        self.guide_terminated = False
+        if matcher is not None:
+            import xgrammar as xgr
+
+            self._xgr = xgr
+            self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+            self._device_bitmask = self._bitmask
+            self._fill_bitmask()
         # A negative end id (-1, TensorRT-LLM's "no end id": ignore_eos) ends nothing.
         self._end_id = end_id if end_id is not None and end_id >= 0 else None
         self._processors = _build_processors(params)
@@ -108,6 +135,8 @@ class TokenSampler:
             )
         elif num_generated < self.params.min_tokens and self._end_id is not None:
             scores[:, self._end_id] = float("-inf")
+        if self._matcher is not None:
+            scores = self._constrain(scores, logits)
         if self.params.greedy:
             token = int(torch.argmax(scores, dim=-1))
         else:
@@ -115,7 +144,39 @@ class TokenSampler:
             scores = self._processors(_NO_IDS, scores)
             probs = torch.softmax(scores, dim=-1)
             token = int(torch.multinomial(probs.cpu(), 1, generator=self._generator))
+        if self._matcher is not None:
+            self._accept(token)
         return token
+
+    # -- guided decoding --------------------------------------------------------
+
+    def _fill_bitmask(self) -> None:
+        """The tokens the grammar allows next (filled once per token, right after the
+        previous one is accepted); none left means the grammar has ended."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        self._device_bitmask = self._bitmask
+        if self._matcher.is_terminated() and not bool(self._bitmask.any()):
+            self.guide_terminated = True
+
+    def _constrain(self, scores: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """``scores`` with every token the grammar forbids at -inf (in place)."""
+        if self._device_bitmask.device != scores.device:  # once per token: CUDA logits
+            self._device_bitmask = self._bitmask.to(scores.device, non_blocking=True)
+        vocab = scores.shape[-1]
+        self._xgr.apply_token_bitmask_inplace(scores, self._device_bitmask, vocab_size=vocab)
+        if torch.isneginf(scores).all():
+            # Bias, bad words or min_tokens banned every token the grammar allows: the
+            # grammar wins, over the model's own logits.
+            scores = logits.to(torch.float32, copy=True).unsqueeze(0)
+            self._xgr.apply_token_bitmask_inplace(scores, self._device_bitmask, vocab_size=vocab)
+        return scores
+
+    def _accept(self, token: int) -> None:
+        if token == self._end_id:
+            return  # the sequence ends here; nothing follows to constrain
+        if not self._matcher.accept_token(token):  # cannot happen with the mask applied
+            raise RuntimeError(f"token {token} is outside the request's grammar")
+        self._fill_bitmask()
 
     def _penalize(self, scores: torch.Tensor, history: torch.Tensor, num_generated: int):
         p = self.params

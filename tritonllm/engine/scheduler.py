@@ -32,10 +32,12 @@ from typing import Protocol
 
 import torch
 
+from tritonllm import guided
 from tritonllm.engine.null_engine import NullRunner
 from tritonllm.engine.request import GenerationRequest
 from tritonllm.engine.runner import CausalLMRunner
 from tritonllm.engine.sampling import TokenLogProbs, TokenSampler, log_probs
+from tritonllm.guided import GuideCompiler
 from tritonllm.tokenization import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -166,6 +168,7 @@ class Engine:
         prefix_cache_mb: float = 0,
         prefix_block_size: int = 16,
         enable_chunked_context: bool = False,
+        guide_compiler: GuideCompiler | None = None,
     ):
         self.runner = runner
         # torch's intra-op thread count is per OS thread (a thread started inside
@@ -200,6 +203,11 @@ class Engine:
         self._cancelled: set[str] = set()
         self._lock = threading.Condition()
         self._stopping = False
+        # Guided decoding's compiler, made on the first guided request (XGrammar's import
+        # alone takes ~2 s): from the runner's checkpoint directory, which holds the
+        # tokenizer, for the logits' width.
+        self._guides = guide_compiler
+        self._guides_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -240,10 +248,30 @@ class Engine:
 
     def _sampler(self, request: GenerationRequest):
         """The request's own sampler; a runner that picks tokens itself (the null
-        engine, a benchmark instrument) gives its own."""
+        engine, a benchmark instrument) gives its own, which checks a guide but follows
+        none. A guide is compiled here (each distinct one once), so an invalid one is
+        the request's InvalidRequest, before any scheduling."""
         if hasattr(self.runner, "sampler"):
+            if request.guide_type is not None:
+                guided.grammar(request.guide_type, request.guide)
             return self.runner.sampler(request)
-        return TokenSampler(request.sampling, request.end_id)
+        if request.guide_type is None:
+            return TokenSampler(request.sampling, request.end_id)
+        compiler = self._guide_compiler()
+        compiled = compiler.compile(request.guide_type, request.guide)
+        matcher = compiler.matcher(compiled, request.end_id)
+        return TokenSampler(request.sampling, request.end_id, matcher, compiler.vocab_size)
+
+    def _guide_compiler(self) -> GuideCompiler:
+        with self._guides_lock:
+            if self._guides is None:
+                engine_dir = getattr(self.runner, "engine_dir", None)
+                if engine_dir is None:
+                    raise InvalidRequest("guided decoding is not supported by this engine")
+                self._guides = GuideCompiler.from_tokenizer_dir(
+                    engine_dir, self.runner.vocab_size, max_threads=self.prefill_threads
+                )
+            return self._guides
 
     @property
     def num_running(self) -> int:
@@ -447,6 +475,10 @@ class Engine:
         seq.generated.append(token)
         seq.history.append(token)
         if _ends_with_stop_word(seq.generated, request.stop_words):
+            self._finish(seq, "stop")
+        elif getattr(seq.sampler, "guide_terminated", False):
+            # Its grammar is complete and admits nothing more, with no end token to
+            # choose (a request without an end id): the answer is whole.
             self._finish(seq, "stop")
         elif len(seq.generated) >= request.max_tokens:
             self._finish(seq, "length")

@@ -42,6 +42,25 @@ def _logit_bias(get: Getter) -> tuple[tuple[int, float], ...]:
     return tuple(zip(ids.tolist(), bias[ids].tolist(), strict=True))
 
 
+def _text(get: Getter, name: str) -> str | None:
+    """A STRING [1] tensor's text (bytes decoded as UTF-8), or None when absent."""
+    value = _scalar(get, name, lambda v: v)
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRequest(f"{name} is not valid UTF-8") from None
+    return str(value)
+
+
+def _guide(get: Getter) -> tuple[str | None, str]:
+    """(guide type, guide): an absent or empty type is no guided decoding."""
+    guide_type = _text(get, "guided_decoding_guide_type") or None
+    return guide_type, _text(get, "guided_decoding_guide") or ""
+
+
 def is_stop_request(get: Getter) -> bool:
     return bool(_scalar(get, "stop", bool, False))
 
@@ -70,6 +89,7 @@ def to_generation_request(request_id: str, get: Getter) -> GenerationRequest:
         bad_words=_word_list(get, "bad_words_list"),
         logit_bias=_logit_bias(get),
     )
+    guide_type, guide = _guide(get)
     return GenerationRequest(
         request_id=request_id,
         input_ids=tuple(int(t) for t in input_ids.reshape(-1)[:length]),
@@ -83,6 +103,8 @@ def to_generation_request(request_id: str, get: Getter) -> GenerationRequest:
         return_log_probs=_scalar(get, "return_log_probs", bool, False),
         num_top_log_probs=_scalar(get, "num_top_log_probs", int, 0),
         return_prompt_log_probs=_scalar(get, "return_prompt_log_probs", bool, False),
+        guide_type=guide_type,
+        guide=guide,
     )
 
 
