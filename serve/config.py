@@ -213,6 +213,12 @@ class ModelConfig(_Strict):
         "other; in a pool of variants, among the replicas holding the variant; "
         "docs/prefix-caching.md)",
     )
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None,
+        description="how the model writes tool calls (vLLM's parser names): hermes "
+        "(<tool_call> JSON: Hermes, Qwen 2.5/3, the default model) or llama3_json (Llama "
+        "3.1+); unset, requests with tools are refused (docs/structured-outputs.md)",
+    )
     optional: bool = Field(
         False,
         description="serve this model only where its repository is built: an unbuilt one "

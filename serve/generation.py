@@ -35,6 +35,10 @@ class GenerateParams:
     prompt_log_probs: bool = False  # the prompt's tokens' too (completions' echo)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit
     prompt_token_ids: tuple[int, ...] = ()  # a prompt the client tokenized itself
+    # Guided decoding (TensorRT-LLM's guide types, tritonllm.contract.GUIDE_TYPES): the
+    # answer is held to this grammar ("json_schema" with a schema's text, "regex", ...).
+    guide_type: str | None = None
+    guide: str = ""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     variant: str | None = None  # a multiplexed pool's variant (its own Triton ensemble)
 

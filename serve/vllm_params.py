@@ -51,8 +51,24 @@ def sampling_kwargs(params: GenerateParams) -> dict[str, Any]:
         # A SamplingParams field (vLLM builds its logit-bias logits processor from it,
         # as its own OpenAI server passes the request's logit_bias).
         "logit_bias": dict(params.logit_bias) or None,
+        "structured_outputs": structured_outputs(params),
     }
     return kwargs | {k: v for k, v in optional.items() if v is not None}
+
+
+def structured_outputs(params: GenerateParams) -> dict[str, Any] | None:
+    """The guide as vLLM's ``StructuredOutputsParams`` keyword arguments (its XGrammar
+    backend compiles the same grammar the torch engine does): JSON without free
+    whitespace, as the torch engine compiles it."""
+    kind, guide = params.guide_type, params.guide
+    if kind is None:
+        return None
+    if kind == "json":
+        return {"json_object": True, "disable_any_whitespace": True}
+    if kind == "json_schema":
+        return {"json": guide, "disable_any_whitespace": True}
+    key = {"regex": "regex", "ebnf_grammar": "grammar", "structural_tag": "structural_tag"}
+    return {key[kind]: guide}
 
 
 class ChunkReader:

@@ -26,8 +26,11 @@ class Embeddings:
 class Backend(Protocol):
     config: AppConfig
 
-    def chat_prompt(self, model: ModelConfig, messages: list[dict]) -> str:
-        """The messages rendered with the model's chat template (one BOS)."""
+    def chat_prompt(
+        self, model: ModelConfig, messages: list[dict], tools: list[dict] | None = None
+    ) -> str:
+        """The messages (and the tools, OpenAI's shape) rendered with the model's chat
+        template (one BOS)."""
 
     def vocab_size(self, model: ModelConfig) -> int:
         """How many token ids the model's tokenizer knows (a token-id prompt's bound)."""

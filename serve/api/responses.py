@@ -22,13 +22,25 @@ def completion_choice(
 
 
 def chat_choice(
-    index: int, text: str, finish_reason: str | None, streaming: bool, logprobs: dict | None = None
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    streaming: bool,
+    logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
-    body = {"content": text} if streaming else {"role": "assistant", "content": text}
-    key = "delta" if streaming else "message"
+    """A chat choice (``message``) or stream chunk choice (``delta``); with tool calls,
+    the message's content is null where the model wrote only calls, as OpenAI's is."""
+    if streaming:
+        body = {"content": text} if text else {}
+        body |= {"tool_calls": tool_calls} if tool_calls else {}
+    else:
+        content = None if tool_calls and not text.strip() else text
+        body = {"role": "assistant", "content": content}
+        body |= {"tool_calls": tool_calls} if tool_calls else {}
     return {
         "index": index,
-        key: body if (text or not streaming) else {},
+        "delta" if streaming else "message": body,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
     }

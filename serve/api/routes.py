@@ -41,6 +41,8 @@ from serve.api.schemas import (
     SamplingFields,
 )
 from serve.api.stops import cut_stream, cut_text
+from serve.api.structured import Guide, tool_guide
+from serve.api.tool_parsers import SYNTAXES, CallSyntax, ToolCallParser, parse_whole
 from serve.config import ModelConfig
 from serve.generation import GenerateParams, GenerationChunk, TopLogProbs
 
@@ -120,6 +122,7 @@ def _choices(
     variant: str | None,
     prompts: list[str],
     max_tokens: int | None,
+    guide: Guide | None = None,
 ) -> list[GenerateParams]:
     """One engine request per choice: ``n`` for each prompt, in OpenAI's order (the
     ``j``-th choice of prompt ``i`` has index ``i * n + j``)."""
@@ -133,7 +136,7 @@ def _choices(
     cap, default = model.max_tokens_cap, model.default_max_tokens
     defaults = backend.sampling_defaults(model)
     return [
-        body.params(prompt, max_tokens, cap, default, next(ids), variant, j, defaults)
+        body.params(prompt, max_tokens, cap, default, next(ids), variant, j, defaults, guide)
         for prompt in prompts
         for j in range(body.n)
     ]
@@ -173,7 +176,8 @@ async def completions(body: CompletionRequest, request: Request, backend: Backen
         _check_prompt_chars(backend, sum(len(p) for p in prompts), "prompt")
     else:
         _check_token_ids(backend, model, prompts)
-    params = _choices(request, body, model, variant, prompts, body.max_tokens)
+    guide = body.output_guide()
+    params = _choices(request, body, model, variant, prompts, body.max_tokens, guide)
     echoes = [_prompt_text(backend, model, p) if body.echo else "" for p in params]
     return await _respond(backend, model, body, params, "text_completion", echoes)
 
@@ -206,9 +210,36 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, backen
             "messages",
         )
     _check_prompt_chars(backend, sum(len(m.text) for m in body.messages), "messages")
-    prompt = backend.chat_prompt(model, [m.template_message() for m in body.messages])
-    params = _choices(request, body, model, variant, [prompt], body.requested_max_tokens)
-    return await _respond(backend, model, body, params, "chat.completion")
+    syntax = _call_syntax(model, body)
+    guide = _chat_guide(body, syntax)
+    messages = [m.template_message() for m in body.messages]
+    prompt = backend.chat_prompt(model, messages, body.template_tools())
+    params = _choices(request, body, model, variant, [prompt], body.requested_max_tokens, guide)
+    return await _respond(backend, model, body, params, "chat.completion", syntax=syntax)
+
+
+def _call_syntax(model: ModelConfig, body: ChatCompletionRequest) -> CallSyntax | None:
+    """How the model writes calls, where the answer may hold them."""
+    if not body.calls_tools:
+        return None
+    if model.tool_call_parser is None:
+        raise APIError(
+            f"model {model.id!r} has no tool_call_parser configured, so its tool calls "
+            "cannot be read (set tool_call_parser in its Serve config)",
+            "tools",
+        )
+    return SYNTAXES[model.tool_call_parser]
+
+
+def _chat_guide(body: ChatCompletionRequest, syntax: CallSyntax | None) -> Guide | None:
+    """The output format's guide, or the tools' (which must be called when
+    tool_choice is required or names one): with tool_choice auto and a response_format
+    both, the format wins (the answer is the format, no call)."""
+    output = body.output_guide()
+    if syntax is None or (output is not None and body.tool_choice in (None, "auto")):
+        return output
+    parallel = body.parallel_tool_calls is not False
+    return tool_guide(body.tools, body.tool_choice, parallel, syntax)
 
 
 @router.post("/v1/embeddings")
@@ -271,6 +302,7 @@ async def _respond(
     params: list[GenerateParams],
     kind: str,
     echoes: list[str] | None = None,
+    syntax: CallSyntax | None = None,
 ):
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
     served = params[0].variant or model.id
@@ -278,13 +310,13 @@ async def _respond(
     echoes = echoes or [""] * len(params)
     log_probs = _LogProbs(backend, model, kind, echoes) if params[0].return_log_probs else None
     if not body.stream:
-        return await _whole(backend, model, body, params, kind, echoes, base, log_probs)
+        return await _whole(backend, model, body, params, kind, echoes, base, log_probs, syntax)
     starts = await _start_all(backend, model, params)
     starts = [
         await _shaped(first, rest, p, echo, body.include_stop_str_in_output)
         for (first, rest), p, echo in zip(starts, params, echoes, strict=True)
     ]
-    events = _events(body, starts, kind, base, log_probs)
+    events = _events(body, starts, kind, base, log_probs, syntax)
     return StreamingResponse(events, media_type="text/event-stream")
 
 
@@ -322,7 +354,7 @@ class _LogProbs:
         return list(zip(self._token_texts(top.token_ids), top.log_probs, strict=True))
 
 
-async def _whole(backend, model, body, params, kind, echoes, base, log_probs):
+async def _whole(backend, model, body, params, kind, echoes, base, log_probs, syntax):
     choice = chat_choice if kind == "chat.completion" else completion_choice
     results = await _gather(backend.collect(model, p) for p in params)
     choices = []
@@ -331,12 +363,23 @@ async def _whole(backend, model, body, params, kind, echoes, base, log_probs):
         if p.stop:
             text, stopped = cut_text(text, p.stop, body.include_stop_str_in_output)
             finish = "stop" if stopped else finish
-        choices.append(choice(i, echoes[i] + text, finish, False, log_probs and log_probs(i, last)))
+        shaped = log_probs and log_probs(i, last)
+        if syntax is None:
+            choices.append(choice(i, echoes[i] + text, finish, False, shaped))
+            continue
+        content, calls = parse_whole(syntax, text)
+        calls = [call.as_message() for call in calls]
+        choices.append(chat_choice(i, content, _finish(finish, calls), False, shaped, calls))
     answer = {**base, "object": kind, "choices": choices, "usage": usage(_lasts(results))}
     return JSONResponse(answer)
 
 
-async def _events(body: SamplingFields, starts, kind: str, base: dict, log_probs):
+def _finish(reason: str | None, calls) -> str | None:
+    """An answer that called tools and ended on its own ends with ``tool_calls``."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+async def _events(body: SamplingFields, starts, kind: str, base: dict, log_probs, syntax=None):
     """The SSE events of started choices: chunks as they come, the usage chunk, [DONE]."""
     choice = chat_choice if kind == "chat.completion" else completion_choice
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
@@ -345,6 +388,7 @@ async def _events(body: SamplingFields, starts, kind: str, base: dict, log_probs
         return sse({**base, "object": chunk_kind, "choices": choices, **extra})
 
     lasts = [first for first, _ in starts]
+    parsers = [ToolCallParser(syntax) for _ in starts] if syntax else None
     failure = None
     try:
         if chunk_kind == "chat.completion.chunk":
@@ -357,7 +401,12 @@ async def _events(body: SamplingFields, starts, kind: str, base: dict, log_probs
             if chunk.text or chunk.finish_reason or chunk.token_ids:
                 extra = {"usage": usage(lasts)} if body.continuous_usage else {}
                 shaped = log_probs and log_probs(index, chunk)
-                yield event([choice(index, chunk.text, chunk.finish_reason, True, shaped)], **extra)
+                if parsers is None:
+                    shaped_choice = choice(index, chunk.text, chunk.finish_reason, True, shaped)
+                else:
+                    shaped_choice = _call_chunk(parsers[index], index, chunk, shaped)
+                if shaped_choice is not None:
+                    yield event([shaped_choice], **extra)
     except APIError as error:  # mid-stream: an error event, never a cut stream
         failure = error
     except Exception:
@@ -368,6 +417,19 @@ async def _events(body: SamplingFields, starts, kind: str, base: dict, log_probs
     if failure is not None:
         yield sse(failure.body())
     yield sse("[DONE]")
+
+
+def _call_chunk(parser: ToolCallParser, index: int, chunk, log_probs) -> dict | None:
+    """A chat chunk with the content and ``delta.tool_calls`` its text adds (None: the
+    text is held back, a call's opening perhaps, and nothing else is new)."""
+    delta = parser.feed(chunk.text)
+    finish = chunk.finish_reason
+    if finish:
+        delta.content += parser.finish().content
+        finish = _finish(finish, parser.calls)
+    if not (delta or finish or log_probs):
+        return None
+    return chat_choice(index, delta.content, finish, True, log_probs, delta.tool_call_deltas())
 
 
 def _lasts(results) -> list:

@@ -1,13 +1,15 @@
 """The OpenAI request bodies this API accepts, and their GenerateParams.
 
-``extra="forbid"``: a parameter we do not implement (``tools``, ...) is a 400
+``extra="forbid"``: a parameter we do not implement (``functions``, ...) is a 400
 naming it, never silently dropped. vLLM's sampling extensions that clients and
 load tools send (top_k, repetition_penalty, min_tokens, ignore_eos,
-include_stop_str_in_output, stream_options.continuous_usage_stats) are accepted.
+include_stop_str_in_output, stream_options.continuous_usage_stats) and its
+structured-output fields (``structured_outputs``, ``guided_*``) are accepted.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Annotated, Literal
 
@@ -16,12 +18,22 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from serve.api.errors import APIError
 from serve.api.sampling import GREEDY, SamplingDefaults, resolve
+from serve.api.structured import (
+    ChatTool,
+    Guide,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputs,
+    ToolChoice,
+    guide_of,
+)
 from serve.generation import GenerateParams
 from tritonllm.contract import MAX_TOP_LOG_PROBS
 
@@ -45,12 +57,6 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk too
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    # json_object / json_schema need guided decoding, which the engines here lack.
-    type: Literal["text"]
 
 
 class SamplingFields(BaseModel):
@@ -77,6 +83,13 @@ class SamplingFields(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's structured outputs, and their older names (serve/api/structured.py).
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted: the engines use XGrammar
 
     @field_validator("stop")
     @classmethod
@@ -102,6 +115,16 @@ class SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    def output_guide(self) -> Guide | None:
+        """The guide of the output format the request asks for (None: free text)."""
+        legacy = {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+        }
+        return guide_of(self.response_format, self.structured_outputs, legacy)
+
     def params(
         self,
         prompt: str | list[int],
@@ -112,6 +135,7 @@ class SamplingFields(BaseModel):
         variant: str | None = None,
         choice: int = 0,
         defaults: SamplingDefaults = GREEDY,
+        guide: Guide | None = None,
     ) -> GenerateParams:
         """The engine request of one choice; the ``choice``-th of n samples with its
         own seed (seed + choice), so n seeded choices differ and repeat."""
@@ -144,6 +168,8 @@ class SamplingFields(BaseModel):
             top_log_probs=self.top_log_probs,
             prompt_log_probs=self.wants_prompt_log_probs,
             logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            guide_type=guide.type if guide else None,
+            guide=guide.text if guide else "",
         )
 
     def _seed(self, choice: int) -> int | None:
@@ -225,12 +251,43 @@ class TextPart(BaseModel):
     text: Text
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class ToolCallParam(BaseModel):
+    """A call an assistant message made (sent back with the conversation)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def template_call(self) -> dict:
+        """As chat templates read it: the arguments as an object where they parse (as
+        vLLM passes them; templates write them with ``tojson``)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # "developer" is OpenAI's name for the system role of its current models.
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant messages
+    tool_call_id: Text | None = None  # tool messages: the call answered
+    # What the SDKs send back with an assistant message they received: nothing to read.
+    refusal: Text | None = None
+    annotations: list | None = None
+    function_call: None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -246,18 +303,36 @@ class ChatMessage(BaseModel):
                     )
         return content
 
+    @model_validator(mode="after")
+    def _fields_of_the_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed in assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id (the call it answers)")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (except in an assistant message with tool_calls)")
+        return self
+
     @property
     def text(self) -> str:
         """The content as one text (parts joined by newlines, as vLLM does)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
 
     def template_message(self) -> dict:
-        """What the chat template reads: plain text, developer as system."""
+        """What the chat template reads: plain text, developer as system, calls."""
         role = "system" if self.role == "developer" else self.role
         message = {"role": role, "content": self.text}
-        return message | ({"name": self.name} if self.name else {})
+        if self.name:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_call() for call in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -265,12 +340,38 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOG_PROBS)
+    tools: list[ChatTool] | None = Field(None, min_length=1, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs is only allowed when logprobs is true")
         return self
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, choice, info: ValidationInfo):
+        tools = info.data.get("tools") or []
+        if choice not in (None, "none") and not tools:
+            raise ValueError("tool_choice is only allowed when tools are given")
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.name
+            if name not in {tool.function.name for tool in tools}:
+                raise ValueError(f"names {name!r}, which is not one of the tools")
+        return choice
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (and so is parsed for them)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template reads them (OpenAI's shape)."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @property
     def wants_log_probs(self) -> bool:

@@ -3,16 +3,16 @@ the client reads in its 400 (any other unknown field: "Extra inputs are not perm
 
 from __future__ import annotations
 
-_NO_TOOLS = (
-    "tool and function calling needs a tool parser and guided decoding, which the engines here lack"
-)
+_FUNCTIONS = "OpenAI's deprecated function calling: send tools and tool_choice instead"
+
+_CHAT_ONLY = "tool calling is a chat feature: send tools to /v1/chat/completions"
 
 REASONS = {
-    "tools": _NO_TOOLS,
-    "tool_choice": _NO_TOOLS,
-    "parallel_tool_calls": _NO_TOOLS,
-    "functions": _NO_TOOLS,
-    "function_call": _NO_TOOLS,
+    "tools": _CHAT_ONLY,
+    "tool_choice": _CHAT_ONLY,
+    "parallel_tool_calls": _CHAT_ONLY,
+    "functions": _FUNCTIONS,
+    "function_call": _FUNCTIONS,
     "min_p": "min-p sampling is not implemented in the engines here; use top_p or top_k",
     "stop_token_ids": "stop words reach the engines as text only; send the tokens' text in stop",
     "best_of": "beam and best-of search are not supported; use n",
@@ -21,10 +21,6 @@ REASONS = {
     "audio": "the models here read and write text only",
     "modalities": "the models here read and write text only",
     "prediction": "predicted outputs (speculative decoding from a given text) are not supported",
-    "guided_json": "guided decoding is not supported",
-    "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported",
-    "guided_grammar": "guided decoding is not supported",
 }
 
 

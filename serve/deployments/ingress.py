@@ -147,8 +147,10 @@ class OpenAIIngress:
         route = getattr(scope.get("route"), "path", "unmatched")
         self.metrics.response(scope.get("state", {}).get("model", ""), route, status, seconds)
 
-    def chat_prompt(self, model: ModelConfig, messages: list[dict]) -> str:
-        return render_chat_prompt(self.tokenizers[model.id], messages)
+    def chat_prompt(
+        self, model: ModelConfig, messages: list[dict], tools: list[dict] | None = None
+    ) -> str:
+        return render_chat_prompt(self.tokenizers[model.id], messages, tools)
 
     def vocab_size(self, model: ModelConfig) -> int:
         return len(self.tokenizers[model.id])

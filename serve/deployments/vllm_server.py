@@ -28,7 +28,7 @@ from ray.serve.llm import LLMConfig
 from ray.serve.llm.deployment import LLMServer
 from vllm import SamplingParams
 from vllm.exceptions import VLLMClientError
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 from serve.generation import GenerateParams, GenerationChunk, coalesce
 from serve.triton.host import GenerationError
@@ -50,7 +50,10 @@ class VLLMServer(LLMServer):
             yield chunk
 
     async def _generate(self, params: GenerateParams) -> AsyncIterator[GenerationChunk]:
-        sampling = SamplingParams(**sampling_kwargs(params), output_kind=RequestOutputKind.DELTA)
+        kwargs = sampling_kwargs(params)
+        if "structured_outputs" in kwargs:
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+        sampling = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
         # A prompt the client tokenized itself goes in as its ids, as vLLM takes them.
         prompt = (
             {"prompt_token_ids": list(params.prompt_token_ids)}

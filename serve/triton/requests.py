@@ -52,6 +52,10 @@ def ensemble_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
         values["num_top_log_probs"] = np.array([[params.top_log_probs]], dtype=np.int32)
     if params.prompt_log_probs:
         values["return_prompt_log_probs"] = np.array([[True]])
+    if params.guide_type:  # TensorRT-LLM's guided decoding (XGrammar)
+        for name, text in (("type", params.guide_type), ("", params.guide)):
+            tensor = f"guided_decoding_guide_{name}".rstrip("_")
+            values[tensor] = np.array([[text.encode()]], dtype=object)
     if params.logit_bias:
         ids, weights = zip(*params.logit_bias, strict=True)
         values["embedding_bias_token_ids"] = np.array([ids], dtype=np.int32)

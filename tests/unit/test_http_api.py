@@ -60,7 +60,7 @@ class FakeBackend:
         self.waiting: dict[str, str] = {}  # what not_ready() answers: model id -> reason
         self.alternatives = True  # top-k and prompt log probabilities (not TensorRT-LLM)
 
-    def chat_prompt(self, model, messages):
+    def chat_prompt(self, model, messages, tools=None):
         return " ".join(m["content"] for m in messages)
 
     def sampling_defaults(self, model):

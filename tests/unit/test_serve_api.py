@@ -53,7 +53,9 @@ def test_the_tokenizer_comes_from_the_preprocessing_config(built_repository, che
     [
         {"n": 65},
         {"tools": []},
-        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "yaml"}},
+        {"response_format": {"type": "json_schema"}},  # without its json_schema
+        {"structured_outputs": {"regex": "a", "choice": ["a"]}},  # one constraint only
         {"stream_options": {"include_usage": True}},  # without stream: true
         {"prompt": "\ud800"},
         {"stop": "a\udfff"},
