@@ -153,3 +153,37 @@ def test_http_generate_endpoint(triton):
     with urllib.request.urlopen(request, timeout=60) as response:
         answer = json.loads(response.read())
     assert answer["text_output"].startswith("The cat")
+
+
+def guided(guide_type: str, guide: str) -> dict[str, np.ndarray]:
+    return {
+        "guided_decoding_guide_type": np.array([[guide_type.encode()]], dtype=object),
+        "guided_decoding_guide": np.array([[guide.encode()]], dtype=object),
+    }
+
+
+def test_guided_decoding_reaches_the_engine_through_the_ensemble(triton):
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        # Bounded (enums, booleans): a finished answer whatever the model writes.
+        "properties": {"colour": {"enum": ["red", "green"]}, "bright": {"type": "boolean"}},
+        "required": ["colour", "bright"],
+    }
+    for stream in (False, True):
+        result = generate(
+            triton.grpc_url,
+            "<|user|>A colour in JSON<|assistant|>",
+            max_tokens=200,
+            stream=stream,
+            exclude_input_in_output=True,
+            temperature=0.0,
+            **guided("json_schema", json.dumps(schema)),
+        )
+        jsonschema.validate(json.loads(result.text), schema)
+    with pytest.raises(InferenceServerException, match="not a valid JSON Schema"):
+        generate(triton.grpc_url, "The cat", max_tokens=8, **guided("json_schema", '{"type": 1}'))
+    assert generate(triton.grpc_url, "The cat", max_tokens=4).text.startswith("The cat")
