@@ -174,6 +174,25 @@ def structural_tag_json(guide: str) -> str:
         ) from None
 
 
+def xgrammar_tokenizer_info(tokenizer) -> dict:
+    """What TensorRT-LLM's C++ backend reads from ``xgrammar_tokenizer_info_path``: the
+    vocabulary in id order, the fast tokenizer's own JSON (XGrammar derives the
+    vocabulary type from it) and the end token, as TensorRT-LLM's
+    examples/generate_xgrammar_tokenizer_info.py writes them (fast tokenizers only)."""
+    vocab = tokenizer.get_vocab()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(
+            f"{type(tokenizer).__name__} is not a fast tokenizer: the C++ backend's "
+            "guided decoding needs its tokenizer.json"
+        )
+    return {
+        "encoded_vocab": [token for token, _ in sorted(vocab.items(), key=lambda kv: kv[1])],
+        "tokenizer_str": backend.to_str(),
+        "stop_token_ids": [tokenizer.eos_token_id],
+    }
+
+
 class GuideCompiler:
     """Compiles guides for one model (its tokenizer and vocabulary) and makes matchers.
 

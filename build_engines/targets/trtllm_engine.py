@@ -42,6 +42,8 @@ from build_engines.trtllm_settings import (
 from tritonllm import contract
 
 TOKENIZER_DIR = "tokenizer"  # inside tensorrt_llm/1/, next to the engine
+# The tokenizer as XGrammar reads it, for the C++ backend's guided decoding.
+XGRAMMAR_TOKENIZER_INFO = "xgrammar_tokenizer_info.json"  # in the tokenizer copy
 _TOKENIZER_FILES = (
     *TOKENIZER_FILES,
     "special_tokens_map.json",
@@ -128,6 +130,9 @@ class TrtllmTarget:
                 default_model.write_default_model(checkpoint, spec.size, reporter)
             self._build_engine(settings, checkpoint, repo, reporter)
             copy_tokenizer(checkpoint, repo.engine_version_dir / TOKENIZER_DIR)
+        info = repo.engine_version_dir / TOKENIZER_DIR / XGRAMMAR_TOKENIZER_INFO
+        if not skipped or not info.is_file():
+            write_xgrammar_tokenizer_info(repo.engine_version_dir / TOKENIZER_DIR, info)
         reporter.stage("filling the model configs")
         fill_configs(
             settings,
@@ -198,6 +203,18 @@ def copy_tokenizer(checkpoint: Path, destination: Path) -> None:
         raise RuntimeError(f"{checkpoint} has no tokenizer files to copy next to the engine")
 
 
+def write_xgrammar_tokenizer_info(tokenizer_dir: Path, path: Path) -> None:
+    """The JSON TensorRT-LLM's C++ backend reads for XGrammar (``xgrammar_tokenizer_info_path``),
+    in the form of TensorRT-LLM's examples/generate_xgrammar_tokenizer_info.py."""
+    import json
+
+    from tritonllm.guided import xgrammar_tokenizer_info
+    from tritonllm.tokenization import load_tokenizer
+
+    info = xgrammar_tokenizer_info(load_tokenizer(str(tokenizer_dir)))
+    path.write_text(json.dumps(info))
+
+
 def fill_configs(
     settings: TrtllmSettings,
     repo: ModelRepository,
@@ -206,7 +223,8 @@ def fill_configs(
 ):
     """The four configs for the tensorrtllm backend, all from ``settings`` (and the
     pre/postprocessing's dynamic batching)."""
-    tokenizer_ref = repo.reference(repo.engine_version_dir / TOKENIZER_DIR)
+    tokenizer_dir = repo.engine_version_dir / TOKENIZER_DIR
+    tokenizer_ref = repo.reference(tokenizer_dir)
     flags = {
         k: str(v).lower() if isinstance(v, bool) else v
         for k, v in dataclasses.asdict(settings).items()
@@ -217,7 +235,14 @@ def fill_configs(
     )
     values = {
         **steps,
-        contract.TENSORRT_LLM: {**flags, "engine_dir": str(repo.engine_version_dir)},
+        contract.TENSORRT_LLM: {
+            **flags,
+            "engine_dir": str(repo.engine_version_dir),
+            # Absolute, as engine_dir: the C++ backend opens them itself.
+            "tokenizer_dir": str(tokenizer_dir),
+            "guided_decoding_backend": "xgrammar",
+            "xgrammar_tokenizer_info_path": str(tokenizer_dir / XGRAMMAR_TOKENIZER_INFO),
+        },
     }
     for model, model_values in values.items():
         template = repo.template_path(model, TrtllmTarget.name)

@@ -135,9 +135,12 @@ def test_filled_configs_parse_and_carry_the_settings(repo):
     assert params["batch_scheduler_policy"] == "guaranteed_no_evict"
     assert trt.dynamic_batching.default_queue_policy.max_queue_size == 17
     assert trt.dynamic_batching.max_queue_delay_microseconds == 100
-    # Read without a fallback by the backend (getGuidedDecodingConfigFromParams).
-    for key in ("tokenizer_dir", "guided_decoding_backend", "xgrammar_tokenizer_info_path"):
-        assert params[key] == ""
+    # Guided decoding with XGrammar, as tensorrtllm_backend's docs/guided_decoding.md.
+    tokenizer_dir = repo.engine_version_dir / TOKENIZER_DIR
+    assert params["guided_decoding_backend"] == "xgrammar"
+    assert Path(params["tokenizer_dir"]) == tokenizer_dir
+    info = Path(params["xgrammar_tokenizer_info_path"])
+    assert info == tokenizer_dir / "xgrammar_tokenizer_info.json"
     for model in (contract.PREPROCESSING, contract.POSTPROCESSING):
         tokenizer = configs[model].parameters["tokenizer_dir"].string_value
         assert tokenizer == f"tensorrt_llm/1/{TOKENIZER_DIR}"
@@ -166,6 +169,25 @@ def test_tensorrt_llm_tensors_carry_nvidias_attributes(repo):
         if reshaped:
             assert list(tensor.reshape.shape) == []
         assert getattr(tensor, "allow_ragged_batch", False) == (attribute == G), tensor.name
+
+
+def test_the_xgrammar_tokenizer_info_is_what_xgrammar_reads(tmp_path, checkpoint_dir, tokenizer):
+    import json
+
+    import xgrammar as xgr
+
+    from build_engines.targets.trtllm_engine import write_xgrammar_tokenizer_info
+
+    path = tmp_path / "xgrammar_tokenizer_info.json"
+    write_xgrammar_tokenizer_info(checkpoint_dir, path)
+    info = json.loads(path.read_text())
+    assert len(info["encoded_vocab"]) == len(tokenizer)
+    assert info["stop_token_ids"] == [tokenizer.eos_token_id]
+    # The C++ backend decodes the vocabulary by the type XGrammar detects for the tokenizer.
+    expected = xgr.TokenizerInfo.from_huggingface(tokenizer)
+    assert json.loads(info["tokenizer_str"])["model"]["type"] == "BPE"
+    rebuilt = xgr.TokenizerInfo(info["encoded_vocab"], vocab_type=expected.vocab_type)
+    assert rebuilt.decoded_vocab == expected.decoded_vocab
 
 
 def test_build_command_uses_only_documented_flags():
