@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from tritonllm.engine.request import GenerationRequest
 from tritonllm.engine.scheduler import EngineBusy, GenerationChunk
+from tritonllm.guided import grammar
 from tritonllm.tokenization import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ def llm_kwargs(model_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
     """``LLM(**...)`` for ``model_dir`` with the build's options. Nested options
     (``kv_cache_config``, ``scheduler_config``) become TensorRT-LLM's config objects
     through its own converter, the one trtllm-serve and NVIDIA's Triton model use."""
-    base = {"model": str(model_dir)}
+    # Guided decoding with XGrammar, as the torch engine (the options may say otherwise).
+    base = {"model": str(model_dir), "guided_decoding_backend": "xgrammar"}
     try:
         from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
     except ImportError:  # an older layout: LLM's pydantic args take the dicts themselves
@@ -122,6 +124,27 @@ def sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
         # top_p is set, even with a temperature; the torch engine samples then.
         kwargs.update(top_k=s.top_k, top_p=s.top_p, temperature=s.temperature)
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+# Our guide types (TensorRT-LLM's tensor values) as GuidedDecodingParams' fields.
+_GUIDE_FIELDS = {
+    "json_schema": "json",
+    "regex": "regex",
+    "ebnf_grammar": "grammar",
+    "structural_tag": "structural_tag",
+}
+
+
+def guided_decoding_kwargs(request: GenerationRequest) -> dict[str, Any] | None:
+    """``tensorrt_llm.sampling_params.GuidedDecodingParams`` keyword arguments for the
+    request's guide (None: no guide). The guide is checked here first
+    (:func:`tritonllm.guided.grammar`), so a bad one is the request's InvalidRequest."""
+    if request.guide_type is None:
+        return None
+    grammar(request.guide_type, request.guide)
+    if request.guide_type == "json":
+        return {"json_object": True}
+    return {_GUIDE_FIELDS[request.guide_type]: request.guide}
 
 
 def prompt(request: GenerationRequest) -> dict[str, list[int]]:
@@ -256,9 +279,12 @@ class LLMAPIEngine:
         max_queue_size: int,
         max_input_len: int = 0,
         max_seq_len: int = 0,
+        guided_decoding_params_cls=None,
     ):
         self._llm = llm
         self._sampling_params_cls = sampling_params_cls
+        # tensorrt_llm's GuidedDecodingParams (None: guided requests are refused).
+        self._guided_decoding_params_cls = guided_decoding_params_cls
         self._capacity = max_batch_size + max_queue_size
         self._max_input_len = max_input_len
         self._max_seq_len = max_seq_len
@@ -333,8 +359,14 @@ class LLMAPIEngine:
             )
 
     def _sampling_params(self, request: GenerationRequest):
+        kwargs = sampling_kwargs(request)
+        guide = guided_decoding_kwargs(request)
+        if guide is not None:
+            if self._guided_decoding_params_cls is None:
+                raise InvalidRequest("guided decoding is not available in this TensorRT-LLM")
+            kwargs["guided_decoding"] = self._guided_decoding_params_cls(**guide)
         try:
-            return self._sampling_params_cls(**sampling_kwargs(request))
+            return self._sampling_params_cls(**kwargs)
         except (ValueError, TypeError) as error:  # TensorRT-LLM's own validation
             raise InvalidRequest(f"invalid sampling parameters: {error}") from None
 

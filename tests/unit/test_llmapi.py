@@ -102,7 +102,8 @@ def test_log_probs_of_the_sampled_tokens():
 
 def test_llm_kwargs_use_tensorrt_llms_own_converter_where_it_exists(monkeypatch, tmp_path):
     options = {"max_batch_size": 4, "kv_cache_config": {"free_gpu_memory_fraction": 0.5}}
-    assert llm_kwargs(tmp_path, options) == {"model": str(tmp_path), **options}
+    xgrammar = {"guided_decoding_backend": "xgrammar"}
+    assert llm_kwargs(tmp_path, options) == {"model": str(tmp_path), **xgrammar, **options}
     converted = {}
 
     def update(base, extra):
@@ -117,7 +118,8 @@ def test_llm_kwargs_use_tensorrt_llms_own_converter_where_it_exists(monkeypatch,
     modules["tensorrt_llm.llmapi.llm_utils"].update_llm_args_with_extra_dict = update
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
-    assert llm_kwargs(tmp_path, options) == {"model": str(tmp_path), "converted": True}
+    expected = {"model": str(tmp_path), **xgrammar, "converted": True}
+    assert llm_kwargs(tmp_path, options) == expected
     assert converted["extra"] == options
 
 
@@ -329,3 +331,44 @@ def test_shutdown_stops_the_llm(make_engine):
     engine = LLMAPIEngine(llm, FakeSamplingParams, max_batch_size=1, max_queue_size=0)
     engine.shutdown()
     assert llm.shut_down
+
+
+@dataclass
+class FakeGuidedDecodingParams:
+    kwargs: dict
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+@pytest.mark.parametrize(
+    ("guide_type", "guide", "expected"),
+    [
+        ("json", "", {"json_object": True}),
+        ("json_schema", '{"type": "integer"}', {"json": '{"type": "integer"}'}),
+        ("regex", "[a-z]+", {"regex": "[a-z]+"}),
+        ("ebnf_grammar", 'root ::= "a"', {"grammar": 'root ::= "a"'}),
+    ],
+)
+def test_guides_pass_through_as_guided_decoding_params(guide_type, guide, expected):
+    engine = LLMAPIEngine(
+        FakeLLM(),
+        FakeSamplingParams,
+        max_batch_size=1,
+        max_queue_size=0,
+        guided_decoding_params_cls=FakeGuidedDecodingParams,
+    )
+    try:
+        params = engine._sampling_params(request(guide_type=guide_type, guide=guide))
+        assert params.kwargs["guided_decoding"].kwargs == expected
+        assert "guided_decoding" not in engine._sampling_params(request()).kwargs
+        with pytest.raises(InvalidRequest, match="not a valid JSON Schema"):
+            engine._sampling_params(request(guide_type="json_schema", guide='{"type": 1}'))
+    finally:
+        engine.shutdown()
+    plain = LLMAPIEngine(FakeLLM(), FakeSamplingParams, max_batch_size=1, max_queue_size=0)
+    try:
+        with pytest.raises(InvalidRequest, match="guided decoding is not available"):
+            plain._sampling_params(request(guide_type=guide_type, guide=guide))
+    finally:
+        plain.shutdown()

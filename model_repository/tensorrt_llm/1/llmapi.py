@@ -21,6 +21,11 @@ class TritonPythonModel(DecoupledEngineModel):
         # Imported here: loading TensorRT-LLM initialises CUDA and MPI.
         from tensorrt_llm import LLM, SamplingParams
 
+        try:
+            from tensorrt_llm.sampling_params import GuidedDecodingParams
+        except ImportError:  # a TensorRT-LLM without guided decoding: such requests refused
+            GuidedDecodingParams = None  # noqa: N806
+
         options = load_options(model_args.path("llm_api_options"))
         llm = LLM(**llm_kwargs(model_args.path("engine_dir"), options))
         # What the thread finds queued for a request leaves as one response (model.py too).
@@ -32,4 +37,5 @@ class TritonPythonModel(DecoupledEngineModel):
             max_queue_size=model_args.int("max_queue_size", 256),
             max_input_len=model_args.int("max_input_len", 0),
             max_seq_len=model_args.int("max_seq_len", 0),
+            guided_decoding_params_cls=GuidedDecodingParams,
         )
