@@ -61,7 +61,8 @@ SMOKE_ARGS  ?=
 SOAK_ARGS   ?=
 
 .PHONY: venv venv-dev vllm-env engines run triton triton-embeddings test test-unit lint \
-	redis bench bench-capacity bench-engine bench-embeddings bench-prefix soak gpu-smoke \
+	redis bench bench-capacity bench-engine bench-embeddings bench-prefix bench-structured \
+	soak gpu-smoke \
 	clean-engines clean
 
 ifeq ($(NO_VENV),1)
@@ -198,3 +199,10 @@ clean: clean-engines
 # BENCH_ARGS="--chunked-context 512 --shared-rounds 3" (chunked context's systems too).
 bench-prefix: venv-dev
 	$(PY) -m bench.prefix $(BENCH_ARGS)
+
+# What a json_schema response_format costs: the same seeded chat prompts at 16 streams,
+# unconstrained and constrained, alternated over 3 rounds on one stack over $(REPO);
+# tokens/s, ITL, answers that stop and parse, CPU per token by role, and XGrammar's
+# compile time for a 20-field schema (build/bench-structured/results.json and tables).
+bench-structured: venv-dev
+	$(PY) -m bench.structured --repository $(REPO) $(BENCH_ARGS)

@@ -12,8 +12,9 @@ streams, and the client stamps the arrival of each chunk that carries text, so:
 - end to end (e2e): sent -> the stream's end.
 
 Two kinds of target speak the same protocol to the loop: an OpenAI-compatible
-``/v1/completions`` endpoint (httpx, server-sent events) and Triton's ensemble (the
-asyncio tritonclient, one gRPC stream per request, as the Serve replica does).
+``/v1/completions`` endpoint (httpx, server-sent events; a subclass may post to
+``/v1/chat/completions``) and Triton's ensemble (the asyncio tritonclient, one gRPC
+stream per request, as the Serve replica does).
 
 A 503 is a *rejection* (backpressure past the configured queue bound), counted apart
 from errors, and only when it carries ``Retry-After``; any other failure, a stream
@@ -40,6 +41,8 @@ class RequestRecord:
     tokens: int = 0
     rejected: bool = False  # a 503 with Retry-After
     error: str | None = None
+    text: str = ""  # the answer (choice 0's text or chat content)
+    finish_reason: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -56,7 +59,13 @@ class Target(Protocol):
 
 class OpenAITarget:
     """``POST {base_url}/v1/completions`` with ``stream: true``: exactly ``output_len``
-    greedy tokens (``min_tokens`` = ``max_tokens``), usage in the last chunk."""
+    greedy tokens (``min_tokens`` = ``max_tokens``), usage in the last chunk.
+
+    A subclass may post another ``path`` (``/v1/chat/completions``: the events' chat
+    deltas are read alike), build another :meth:`body` and :meth:`check` its records
+    otherwise."""
+
+    path = "/v1/completions"
 
     def __init__(self, name: str, base_url: str, model: str, max_connections: int = 256):
         import httpx
@@ -69,8 +78,8 @@ class OpenAITarget:
             limits=httpx.Limits(max_connections=max_connections),
         )
 
-    async def request(self, prompt: str, output_len: int) -> RequestRecord:
-        body = {
+    def body(self, prompt: str, output_len: int) -> dict:
+        return {
             "model": self.model,
             "prompt": prompt,
             "max_tokens": output_len,
@@ -78,9 +87,15 @@ class OpenAITarget:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+
+    def check(self, record: RequestRecord, output_len: int) -> None:
+        _check_length(record, output_len)
+
+    async def request(self, prompt: str, output_len: int) -> RequestRecord:
+        body = self.body(prompt, output_len)
         record = RequestRecord(sent=time.perf_counter())
         try:
-            async with self._client.stream("POST", "/v1/completions", json=body) as response:
+            async with self._client.stream("POST", self.path, json=body) as response:
                 if response.status_code != 200:
                     await response.aread()
                     _refused(record, response.status_code, response.headers, response.text)
@@ -89,7 +104,7 @@ class OpenAITarget:
         except Exception as error:  # a broken connection, a timeout: counted, never raised
             record.error = f"{type(error).__name__}: {error}"
         record.end = time.perf_counter()
-        _check_length(record, output_len)
+        self.check(record, output_len)
         return record
 
     async def aclose(self) -> None:
@@ -115,11 +130,21 @@ async def _read_events(response, record: RequestRecord) -> None:
         if "error" in event:
             record.error = f"error event: {event['error'].get('message')}"
             continue
-        if any(choice.get("text") for choice in event.get("choices", ())):
+        texts = [_text(choice) for choice in event.get("choices", ())]
+        if any(texts):
             record.arrivals.append(time.perf_counter())
+        for choice, text in zip(event.get("choices", ()), texts, strict=True):
+            if choice.get("index", 0) == 0:
+                record.text += text
+                record.finish_reason = choice.get("finish_reason") or record.finish_reason
         if event.get("usage"):
             record.tokens = event["usage"]["completion_tokens"]
     record.error = record.error or "the stream ended without [DONE]"
+
+
+def _text(choice: dict) -> str:
+    """A choice's new text: a completion's ``text`` or a chat chunk's ``delta.content``."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 def _check_length(record: RequestRecord, output_len: int) -> None:
