@@ -16,6 +16,8 @@ endif
 # TORCH_INDEX is empty, the plain pin from pip's configured index (scripts/install_torch.py).
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# Guided decoding's grammar engine and its one dependency the project lacks otherwise.
+XGRAMMAR_SPEC ?= xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 
 # The Serve config `make run` serves, on HOST:PORT (empty: its http_options, 127.0.0.1:8000).
 CONFIG      ?= serve/config.yaml
@@ -72,12 +74,14 @@ venv: $(SERVE_STAMP)
 venv-dev: $(DEV_STAMP)
 endif
 
-# $(call install,EXTRAS): the venv, torch, then the project with those extras.
+# $(call install,EXTRAS): the venv, torch, then the project with those extras, then
+# XGrammar (guided decoding) without its `triton` dependency (pyproject.toml says why).
 define install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) scripts/install_torch.py '$(TORCH_SPEC)' '$(TORCH_INDEX)'
 	$(PY) -m pip install --quiet -e '.[$(1)]'
+	$(PY) -m pip install --quiet --no-deps $(XGRAMMAR_SPEC)
 endef
 
 $(SERVE_STAMP): pyproject.toml

@@ -95,6 +95,8 @@ def test_make_run_installs_serving_deps_and_make_test_adds_the_dev_tools():
     run = make_dry_run("run")
     assert "install_torch.py 'torch==2.13.0' '" + CPU_INDEX + "'" in run
     assert "pip install --quiet -e '.[cpu-triton,embeddings]'" in run  # the config embeds
+    # XGrammar without `triton` (1 GB): the CPU path never imports it.
+    assert "pip install --quiet --no-deps xgrammar==" in run
     assert "--only llm" not in run
     test = make_dry_run("test")
     assert "pip install --quiet -e '.[cpu-triton,embeddings,dev]'" in test
