@@ -19,10 +19,51 @@ ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 
 # The template adds BOS itself, so callers render it and then encode with
 # add_special_tokens=False (no double BOS).
+#
+# Tools (``tools=`` of apply_chat_template, OpenAI shape) go Hermes/Qwen style into a
+# system turn (the request's own system message first): <tools>, one compact JSON line
+# per function, </tools> and one instruction line. An assistant message's tool_calls
+# render as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> (arguments a JSON
+# string, as OpenAI sends them, or a dict), the text XGrammar's qwen_3 structural tag
+# constrains a call to; tool messages render as one user turn of <tool_response>s.
+# Without tools, plain messages render as they always have. (transformers renders with
+# trim_blocks: a newline right after a block tag is dropped, hence {{ '\\n' }} there.)
+TOOLS_INSTRUCTION = "To use a tool, answer with a <tool_call> of its name and arguments."
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "<|system|>\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "<tools>\n"
+    "{% for tool in tools %}"
+    "{% set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{\"name\": {{ f['name'] | tojson }}"
+    "{% if f['description'] %}, \"description\": {{ f['description'] | tojson }}{% endif %}"
+    ", \"parameters\": {{ (f['parameters'] or {}) | tojson }}}\n"
+    "{% endfor %}"
+    "</tools>\n" + TOOLS_INSTRUCTION + "{{ eos_token }}\n"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|user|>\n"
+    "{% else %}{{ '\\n' }}{% endif %}"
+    "<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ eos_token }}\n{% endif %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "<|assistant|>\n{% if message['content'] %}{{ message['content'] }}\n{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": {{ fn[\'name\'] | tojson }}, "arguments": '
+    "{% if fn['arguments'] is string %}{{ fn['arguments'] }}"
+    "{% else %}{{ fn['arguments'] | tojson }}{% endif %}"
+    "}\n</tool_call>"
+    "{% endfor %}"
+    "{{ eos_token }}\n"
+    "{% else %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
