@@ -1,6 +1,6 @@
 """The default model's chat template (build_engines.default_model.CHAT_TEMPLATE) as
 transformers' apply_chat_template renders it: plain messages, tools, tool calls and
-tool responses, Hermes/Qwen style."""
+tool responses, Hermes/Qwen style. Also the corpus's chats and JSON lines."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from build_engines import corpus
 from build_engines.default_model import BOS, CHAT_TEMPLATE, EOS, TOOLS_INSTRUCTION
 
 WEATHER = {
@@ -155,3 +156,25 @@ def test_a_rendered_call_is_what_xgrammars_qwen_3_tag_constrains_a_call_to():
     )
     assert text == f'{BOS}<|assistant|>\n{item.begin}{{"city": "Paris"}}{item.end}{EOS}\n'
     assert tag.format.triggers == ["<tool_call>"]
+
+
+def test_the_corpus_is_deterministic_and_its_json_and_tool_calls_parse():
+    docs = corpus.documents(600, seed=3)
+    assert docs == corpus.documents(600, seed=3)
+    lines = [d for d in docs if isinstance(d, str) and d.startswith("{")]
+    chats = [d for d in docs if not isinstance(d, str)]
+    assert lines and all(isinstance(json.loads(line), dict) for line in lines)
+    calls = [
+        (m["tool_calls"][0]["function"], tools)
+        for messages, tools in chats
+        for m in messages
+        if m.get("tool_calls")
+    ]
+    assert calls
+    for function, tools in calls:
+        assert function["name"] in {t["function"]["name"] for t in tools}
+        assert isinstance(json.loads(function["arguments"]), dict)
+        assert (
+            json.dumps(json.loads(function["arguments"]), ensure_ascii=False)
+            == function["arguments"]
+        )
