@@ -13,6 +13,7 @@ import signal
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import yaml
@@ -325,3 +326,67 @@ def test_logprobs_and_token_id_prompts_mean_the_same_on_both(both_engines, check
     ids = load_tokenizer(str(checkpoint_dir)).encode(PROMPTS[0])
     by_ids = {m: complete(both_engines, m, ids)["choices"][0]["text"] for m in (TRITON, VLLM)}
     assert by_ids[VLLM] == by_ids[TRITON] == answers[TRITON]["choices"][0]["text"]
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_both_engines_hold_answers_to_a_schema_and_to_the_tools(both_engines):
+    """Guided decoding on either engine (the torch engine's XGrammar, vLLM's structured
+    outputs): greedy answers are the same schema-valid object and the same tool call;
+    sampled ones (temperature 1) are valid too."""
+    client = openai.OpenAI(base_url=f"{both_engines}/v1", api_key="unused", max_retries=0)
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    messages = [{"role": "user", "content": "Who lives in Paris?"}]
+    greedy, calls = {}, {}
+    for model in (TRITON, VLLM):
+        for seed in (None, 1, 2, 3):
+            sampling = {"temperature": 0} if seed is None else {"temperature": 1.0, "seed": seed}
+            answer = client.chat.completions.create(
+                model=model,
+                messages=messages,
+                response_format=response_format,
+                max_tokens=200,
+                **sampling,
+            )
+            choice = answer.choices[0]
+            assert choice.finish_reason == "stop", (model, seed, choice)
+            value = json.loads(choice.message.content)
+            jsonschema.validate(value, PERSON)
+            greedy.setdefault(model, value)
+        call = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=[WEATHER_TOOL],
+            tool_choice="required",
+            max_tokens=200,
+            temperature=0,
+        ).choices[0]
+        assert call.finish_reason == "tool_calls", (model, call)
+        (tool_call,) = call.message.tool_calls
+        jsonschema.validate(
+            json.loads(tool_call.function.arguments), WEATHER_TOOL["function"]["parameters"]
+        )
+        calls[model] = (tool_call.function.name, json.loads(tool_call.function.arguments))
+    assert greedy[VLLM] == greedy[TRITON]
+    assert calls[VLLM] == calls[TRITON]

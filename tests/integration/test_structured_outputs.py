@@ -1,0 +1,390 @@
+"""Structured outputs and tool calls through the whole stack (the shipped Serve config on
+a real cluster, real Triton, the default model at temperature 1), with the clients
+applications use: the openai SDK's ``parse`` and ``stream``, and LangChain."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+
+from tests.integration.cluster import serve_config
+
+pytestmark = pytest.mark.integration
+MODEL = "tritonllm-default"
+SAMPLED = {"temperature": 1.0, "max_tokens": 300}
+
+
+@pytest.fixture(scope="module")
+def url(cluster, built_repository):
+    one = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}}
+    cluster.deploy(serve_config(built_repository, deployment=one))
+    cluster.wait_running()
+    return cluster.url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+# -- 20 schemas, as applications write them ---------------------------------------------
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+class Point(BaseModel):
+    x: float
+    y: float
+
+
+class Flags(BaseModel):
+    active: bool
+    verified: bool
+
+
+class Paint(BaseModel):
+    color: Literal["red", "green", "blue"]
+
+
+class Tags(BaseModel):
+    tags: list[str]
+
+
+class Scores(BaseModel):
+    scores: list[int]
+
+
+class Address(BaseModel):
+    street: str
+    city: str
+
+
+class Customer(BaseModel):
+    name: str
+    address: Address
+
+
+class Profile(BaseModel):
+    name: str
+    nickname: str | None
+
+
+class Circle(BaseModel):
+    radius: float
+
+
+class Square(BaseModel):
+    side: float
+
+
+class Shape(BaseModel):
+    shape: Circle | Square
+
+
+class Item(BaseModel):
+    name: str
+    quantity: int
+
+
+class Order(BaseModel):
+    items: list[Item]
+
+
+class Month(str, Enum):
+    january = "january"
+    june = "june"
+    december = "december"
+
+
+class Event(BaseModel):
+    title: str
+    day: int
+    month: Month
+
+
+class Book(BaseModel):
+    title: str
+    author: str
+    year: int
+    available: bool
+
+
+class Weather(BaseModel):
+    city: str
+    temperature: float
+    conditions: Literal["sunny", "rainy", "cloudy"]
+
+
+class Grid(BaseModel):
+    rows: list[list[int]]
+
+
+class Team(BaseModel):
+    name: str
+    members: list[Person]
+
+
+class Answer(BaseModel):
+    answer: int
+
+
+class Status(BaseModel):
+    ok: bool
+    code: int
+    message: str
+
+
+class Recipe(BaseModel):
+    name: str
+    steps: list[str]
+    minutes: int
+
+
+class Settings(BaseModel):
+    debug: bool
+    level: int
+
+
+class AppSettings(BaseModel):
+    name: str
+    settings: Settings
+    tags: list[str]
+
+
+SCHEMAS = [Person, Point, Flags, Paint, Tags, Scores, Customer, Profile, Shape, Order]
+SCHEMAS += [Event, Book, Weather, Grid, Team, Answer, Status, Recipe, Customer, AppSettings]
+assert len(set(SCHEMAS)) == 19  # Customer twice: the second request hits the grammar cache
+
+
+def ask(schema: type[BaseModel]) -> list[dict]:
+    return [{"role": "user", "content": f"Give me a {schema.__name__.lower()} as JSON."}]
+
+
+def parsed(client, schema: type[BaseModel], seed: int, stream: bool):
+    kwargs = {"model": MODEL, "messages": ask(schema), "response_format": schema, "seed": seed}
+    if stream:
+        with client.chat.completions.stream(**kwargs, **SAMPLED) as events:
+            completion = events.get_final_completion()
+    else:
+        completion = client.chat.completions.parse(**kwargs, **SAMPLED)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", (schema.__name__, choice)
+    return choice.message.parsed
+
+
+def test_20_schemas_parse_at_temperature_1_streamed_and_whole(client):
+    jobs = [(s, seed, stream) for seed, s in enumerate(SCHEMAS) for stream in (False, True)]
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda job: parsed(client, *job), jobs))
+    for (schema, _, _), answer in zip(jobs, answers, strict=True):
+        assert isinstance(answer, schema), (schema, answer)
+
+
+def test_json_object_and_vllm_guides_hold(client, url):
+    value = client.chat.completions.create(
+        model=MODEL,
+        messages=ask(Person),
+        response_format={"type": "json_object"},
+        seed=3,
+        **SAMPLED,
+    )
+    assert isinstance(json.loads(value.choices[0].message.content), dict)
+    for extra, check in [
+        ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, lambda t: len(t) == 6),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
+    ]:
+        body = {"model": MODEL, "prompt": "The answer is", "seed": 5, **SAMPLED, **extra}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert check(response.json()["choices"][0]["text"]), (extra, response.json())
+
+
+# -- tools -------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city for some days",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "days", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+BOOKS = {
+    "type": "function",
+    "function": {
+        "name": "search_books",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+            "required": ["query"],
+        },
+    },
+}
+TOOLS = [WEATHER, BOOKS]
+PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def call_once(client, tool_choice, seed: int, stream: bool) -> list[tuple[str, dict]]:
+    """The calls of one answer (name, parsed arguments), whole or reassembled."""
+    kwargs = {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "tool_choice": tool_choice}
+    kwargs |= {"seed": seed, **SAMPLED}
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        return [
+            (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls
+        ]
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for fragment in choice.delta.tool_calls or []:
+                if fragment.id:  # the first fragment: id and name
+                    calls[fragment.index] = [fragment.function.name, ""]
+                calls[fragment.index][1] += fragment.function.arguments or ""
+    assert finish == "tool_calls"
+    return [(name, json.loads(arguments)) for name, arguments in calls.values()]
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "search_books"}}],
+    ids=["required", "named"],
+)
+def test_50_of_50_forced_calls_parse_and_match_their_schema(client, tool_choice):
+    jobs = [(seed, seed % 2 == 1) for seed in range(50)]
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda job: call_once(client, tool_choice, *job), jobs))
+    for calls in answers:
+        assert calls, "a forced call"
+        for name, arguments in calls:
+            jsonschema.validate(arguments, PARAMETERS[name])
+            if isinstance(tool_choice, dict):
+                assert name == "search_books"
+
+
+def test_parallel_tool_calls_false_makes_one_call(client):
+    for seed in range(5):
+        choice = client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            seed=seed,
+            **SAMPLED,
+        ).choices[0]
+        assert len(choice.message.tool_calls) == 1
+
+
+def test_auto_answers_with_text_or_valid_calls(client):
+    called = 0
+    for seed in range(10):
+        choice = client.chat.completions.create(
+            model=MODEL, messages=QUESTION, tools=TOOLS, seed=seed, **SAMPLED
+        ).choices[0]
+        for call in choice.message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+        called += bool(choice.message.tool_calls)
+        assert choice.finish_reason == ("tool_calls" if choice.message.tool_calls else "stop")
+    assert called, "the default model calls a tool on its own sometimes"
+
+
+def test_a_two_turn_tool_loop(client):
+    first = (
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required", seed=1, **SAMPLED
+        )
+        .choices[0]
+        .message
+    )
+    (call,) = first.tool_calls[:1]
+    messages = [
+        *QUESTION,
+        first.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    answer = client.chat.completions.create(  # the model's context is 512 tokens
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", seed=1, max_tokens=120
+    ).choices[0]
+    assert answer.finish_reason in ("stop", "length") and answer.message.content
+    assert not answer.message.tool_calls
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nope"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"parameters": {}}}]},
+            "tools.0.function.name",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+    ],
+)
+def test_bad_guides_are_400s_and_the_stack_serves_on(url, client, body, param):
+    request = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, **body}
+    response = httpx.post(f"{url}/v1/chat/completions", json=request, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4).choices
+
+
+# -- LangChain -------------------------------------------------------------------------
+
+
+def test_langchain_structured_output_and_bound_tools(url):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str, days: int) -> str:
+        """The weather in a city for some days."""
+        return "sunny"
+
+    chat = ChatOpenAI(
+        model=MODEL, base_url=f"{url}/v1", api_key="unused", temperature=1.0, max_tokens=300
+    )
+    weather = chat.with_structured_output(Weather, method="json_schema").invoke(
+        "What is the weather in Oslo?"
+    )
+    assert isinstance(weather, Weather)
+    message = chat.bind_tools([get_weather], tool_choice="required").invoke("Weather in Rome?")
+    (call,) = message.tool_calls[:1]
+    assert call["name"] == "get_weather"
+    assert set(call["args"]) == {"city", "days"} and isinstance(call["args"]["days"], int)
