@@ -136,7 +136,7 @@ class TokenSampler:
         elif num_generated < self.params.min_tokens and self._end_id is not None:
             scores[:, self._end_id] = float("-inf")
         if self._matcher is not None:
-            scores = self._constrain(scores, logits)
+            scores = self._constrain(scores, logits, num_generated)
         if self.params.greedy:
             token = int(torch.argmax(scores, dim=-1))
         else:
@@ -158,13 +158,16 @@ class TokenSampler:
         if self._matcher.is_terminated() and not bool(self._bitmask.any()):
             self.guide_terminated = True
 
-    def _constrain(self, scores: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def _constrain(self, scores: torch.Tensor, logits: torch.Tensor, num_generated: int):
         """``scores`` with every token the grammar forbids at -inf (in place)."""
         if self._device_bitmask.device != scores.device:  # once per token: CUDA logits
             self._device_bitmask = self._bitmask.to(scores.device, non_blocking=True)
         vocab = scores.shape[-1]
         self._xgr.apply_token_bitmask_inplace(scores, self._device_bitmask, vocab_size=vocab)
-        if torch.isneginf(scores).all():
+        # Only bad words and min_tokens set a score to -inf (a bias is at most -100), so
+        # only they can have banned every token the grammar allows.
+        bans = self.params.bad_words or num_generated < self.params.min_tokens
+        if bans and torch.isneginf(scores).all():
             # Bias, bad words or min_tokens banned every token the grammar allows: the
             # grammar wins, over the model's own logits.
             scores = logits.to(torch.float32, copy=True).unsqueeze(0)
