@@ -194,6 +194,13 @@ def tool_guide(
         return None
     import xgrammar
 
+    if not hasattr(xgrammar, "get_model_structural_tag"):  # older than the one we pin
+        version = getattr(xgrammar, "__version__", "unknown")
+        raise APIError(
+            f"tool calling needs XGrammar 0.2 or newer in the serving environment (it has "
+            f"{version}): install the version the Makefile pins",
+            "tools",
+        )
     for i, tool in enumerate(tools):  # each schema on its own: the 400 names the tool
         if tool.function.parameters is not None:
             text = json.dumps(tool.function.parameters)
