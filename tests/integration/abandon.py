@@ -25,6 +25,13 @@ LONG = {
 }
 
 
+# The engine is idle this soon after the clients left. A leak shows as tens of seconds
+# (30 x 400 tokens on one slot ran for 51-68 s); on a loaded 2-core CI machine a healthy
+# stack has taken up to 1.7 s (0.03-0.3 s on a quiet one).
+IDLE_WITHIN_S = 3.0
+SHORT_WITHIN_S = 2.0
+
+
 def triton_metrics_urls(repository: Path) -> list[str]:
     """The metrics endpoints of the Triton servers that serve ``repository``."""
     mark = f"--model-repository={repository}".encode()

@@ -26,7 +26,7 @@ import yaml
 from serve.launch import serve_env
 from serve.triton.launcher import free_port
 from tests.conftest import ROOT
-from tests.integration.abandon import abandon_then_serve
+from tests.integration.abandon import IDLE_WITHIN_S, SHORT_WITHIN_S, abandon_then_serve
 from tests.integration.repositories import repository_with_limits
 from tests.integration.test_serve_app import launched
 
@@ -153,4 +153,4 @@ def test_in_the_default_mode_clients_that_give_up_free_the_engine_at_once(defaul
     ingress cancels its handle calls, running or still queued in Serve."""
     url, repository = default_mode_stack
     idle_s, short_s = abandon_then_serve(url, repository)
-    assert idle_s < 1 and short_s < 2, (idle_s, short_s)
+    assert idle_s < IDLE_WITHIN_S and short_s < SHORT_WITHIN_S, (idle_s, short_s)

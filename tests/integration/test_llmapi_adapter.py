@@ -21,6 +21,7 @@ import pytest
 
 from serve.generation import GenerateParams
 from tests.integration.repositories import repository_with_limits
+from tests.integration.test_serve_app import LONG_ANSWER_PROMPT
 from tests.integration.test_triton_hosts import collect
 from tests.reference import hf_greedy
 
@@ -136,11 +137,12 @@ def test_answers_equal_greedy_generate_through_the_ensemble(
 
 
 def test_a_stop_word_ends_the_answer(llmapi_host, tokenizer, hf_model):
-    expected = tokenizer.decode(hf_greedy(hf_model, tokenizer, "The cat", 40))
+    expected = tokenizer.decode(hf_greedy(hf_model, tokenizer, LONG_ANSWER_PROMPT, 40))
     words = expected.split()
     assert len(words) > 3, expected
     # With its leading space: the tokens the word has inside the sentence.
-    chunks = collect(llmapi_host, GenerateParams("The cat", 40, stop=(" " + words[2],)))
+    stop = (" " + words[2],)
+    chunks = collect(llmapi_host, GenerateParams(LONG_ANSWER_PROMPT, 40, stop=stop))
     text = "".join(c.text for c in chunks)
     assert chunks[-1].finish_reason == "stop" and words[2] in text
     assert len(text) < len(expected) and expected.startswith(text.rsplit(words[2], 1)[0])

@@ -19,7 +19,7 @@ import yaml
 
 from serve.triton.launcher import free_port
 from tests.conftest import ROOT
-from tests.integration.abandon import abandon_then_serve
+from tests.integration.abandon import IDLE_WITHIN_S, SHORT_WITHIN_S, abandon_then_serve
 from tests.integration.repositories import repository_with_limits
 from tests.unit.test_embeddings import SENTENCES, cosine
 
@@ -230,7 +230,7 @@ def test_clients_that_give_up_on_whole_answers_free_the_engine_at_once(
     replica, whose Serve cancels the request down to the engine. Before HAProxy ran
     without splicing, about half of them ran to their end: 30 x 400 tokens on one slot."""
     idle_s, short_s = abandon_then_serve(app_url, one_slot_repository)
-    assert idle_s < 1 and short_s < 2, (idle_s, short_s)
+    assert idle_s < IDLE_WITHIN_S and short_s < SHORT_WITHIN_S, (idle_s, short_s)
 
 
 EMBEDDINGS = "all-MiniLM-L6-v2"
@@ -403,6 +403,11 @@ def test_langchain_chat_openai_invokes_streams_and_batches(app_url, client):
     assert [m.content for m in chat.batch([question, question])] == [expected, expected]
 
 
+# The default model's plain completions are a few words; as a chat turn it writes a
+# whole sentence (greedy: "The river follows the morning light in the café.").
+LONG_ANSWER_PROMPT = "<|user|>\nTell me about the red ball.</s>\n<|assistant|>\n"
+
+
 def test_logprobs_of_the_chosen_tokens_whole_and_streamed(client):
     asked = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True)
     whole = client.chat.completions.create(**asked)
@@ -420,8 +425,8 @@ def test_logprobs_of_the_chosen_tokens_whole_and_streamed(client):
     assert [(t.token, round(t.logprob, 4)) for t in streamed] == [
         (t.token, round(t.logprob, 4)) for t in tokens
     ]
-    completion = client.completions.create(
-        model=MODEL, prompt="The cat", max_tokens=8, temperature=0, logprobs=0
+    completion = client.completions.create(  # a prompt the model answers at length
+        model=MODEL, prompt=LONG_ANSWER_PROMPT, max_tokens=8, temperature=0, logprobs=0
     )
     logprobs = completion.choices[0].logprobs
     assert "".join(logprobs.tokens) == completion.choices[0].text
