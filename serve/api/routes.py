@@ -210,8 +210,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, backen
             "messages",
         )
     _check_prompt_chars(backend, sum(len(m.text) for m in body.messages), "messages")
-    syntax = _call_syntax(model, body)
-    guide = _chat_guide(body, syntax)
+    guide, syntax = _chat_guide(body, _call_syntax(model, body))
     messages = [m.template_message() for m in body.messages]
     prompt = backend.chat_prompt(model, messages, body.template_tools())
     params = _choices(request, body, model, variant, [prompt], body.requested_max_tokens, guide)
@@ -231,15 +230,18 @@ def _call_syntax(model: ModelConfig, body: ChatCompletionRequest) -> CallSyntax 
     return SYNTAXES[model.tool_call_parser]
 
 
-def _chat_guide(body: ChatCompletionRequest, syntax: CallSyntax | None) -> Guide | None:
-    """The output format's guide, or the tools' (which must be called when
-    tool_choice is required or names one): with tool_choice auto and a response_format
-    both, the format wins (the answer is the format, no call)."""
+def _chat_guide(
+    body: ChatCompletionRequest, syntax: CallSyntax | None
+) -> tuple[Guide | None, CallSyntax | None]:
+    """The guide, and the call syntax the answer is read with (None: not read for calls):
+    the output format's guide, or the tools' (which must be called when tool_choice is
+    required or names one). With tool_choice auto and a response_format both, the format
+    wins: the answer is the format, never a call."""
     output = body.output_guide()
     if syntax is None or (output is not None and body.tool_choice in (None, "auto")):
-        return output
+        return output, None
     parallel = body.parallel_tool_calls is not False
-    return tool_guide(body.tools, body.tool_choice, parallel, syntax)
+    return tool_guide(body.tools, body.tool_choice, parallel, syntax), syntax
 
 
 @router.post("/v1/embeddings")

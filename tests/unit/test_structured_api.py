@@ -220,9 +220,12 @@ def test_tool_choice_none_renders_the_tools_but_leaves_the_answer_free():
 
 
 def test_with_tool_choice_auto_a_response_format_wins():
-    backend = ScriptedBackend("{}")
-    chat(backend, tools=[WEATHER], response_format={"type": "json_object"})
+    answer = json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})
+    backend = ScriptedBackend(f"<tool_call>{answer}</tool_call>")
+    body = {"tools": [WEATHER], "response_format": {"type": "json_object"}}
+    message = chat(backend, **body).json()["choices"][0]["message"]
     assert backend.params[0].guide_type == "json_schema"
+    assert "tool_calls" not in message  # the answer is the format, never read for calls
 
 
 # -- calls in the answer ---------------------------------------------------------------
