@@ -26,7 +26,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-# name -> (XGrammar's structural-tag format, the call syntax's pieces)
+# A JSON string (its text, escapes kept) in a call's header.
 _NAME = r'"((?:[^"\\]|\\.)*)"'
 
 
@@ -113,8 +113,7 @@ class ToolCallParser:
         self._syntax = syntax
         self._state = "text"  # text | header | arguments | tail
         self._buffer = ""  # text not yet classified
-        self._depth = 0  # the arguments' bracket depth
-        self._in_string = self._escaped = False
+        self._value_end = _ValueEnd()  # where the current call's arguments end
         self._after_call = False  # separators between calls are not content
         self.calls: list[ToolCall] = []
         self.content = ""
@@ -169,8 +168,7 @@ class ToolCallParser:
         if match is not None:
             self._start_call(delta, json.loads(f'"{match.group(1)}"'))
             self._buffer = self._buffer[match.end() :]
-            self._state, self._depth = "arguments", 0
-            self._in_string = self._escaped = False
+            self._state, self._value_end = "arguments", _ValueEnd()
             return True
         # Not the usual header (other key order, other spacing, or no call at all):
         # once the JSON object after the trigger is complete, it decides.
@@ -179,7 +177,7 @@ class ToolCallParser:
         too_long = len(self._buffer) > self._syntax.max_header
         if (body and not body.startswith("{")) or too_long:
             return self._not_a_call(delta)
-        end = _json_value_end(body) if body else None
+        end = _ValueEnd().feed(body) if body else None
         if end is None:
             return False
         call = _as_call(body[:end])
@@ -210,7 +208,7 @@ class ToolCallParser:
             self._buffer = self._buffer.lstrip()
             if not self._buffer:
                 return False
-        end = self._scan_value(self._buffer)
+        end = self._value_end.feed(self._buffer)
         piece = self._buffer if end is None else self._buffer[:end]
         if piece:
             self.calls[-1].arguments += piece
@@ -229,31 +227,6 @@ class ToolCallParser:
             self._buffer = self._buffer[match.end() :]
         self._state, self._after_call = "text", True
         return True
-
-    def _scan_value(self, text: str) -> int | None:
-        """Where the arguments' JSON value ends in ``text`` (None: not yet), carrying the
-        bracket depth and string state across pieces."""
-        for i, char in enumerate(text):
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif char == "\\":
-                    self._escaped = True
-                elif char == '"':
-                    self._in_string = False
-                    if self._depth == 0:
-                        return i + 1
-            elif char == '"':
-                self._in_string = True
-            elif char in "{[":
-                self._depth += 1
-            elif char in "}]":
-                self._depth -= 1
-                if self._depth <= 0:
-                    return i + 1
-            elif self._depth == 0 and char in ",}\n" and i:
-                return i  # a bare scalar (a number, true): ends before its delimiter
-        return None
 
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
@@ -276,26 +249,36 @@ def _tail_may_complete(buffer: str, syntax: CallSyntax) -> bool:
     return stripped[0] == "}" and bool(syntax.close) and syntax.close.startswith(rest)
 
 
-def _json_value_end(text: str) -> int | None:
-    """Where the JSON object or array at the start of ``text`` ends (None: not yet)."""
-    depth, in_string, escaped = 0, False, False
-    for i, char in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
+class _ValueEnd:
+    """Finds where one JSON value ends in text fed piece by piece: bracket depth and
+    string state carry across pieces."""
+
+    def __init__(self):
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def feed(self, text: str) -> int | None:
+        """The value's end in ``text`` (an index past it), or None: not yet."""
+        for i, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return i + 1  # a bare string
             elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    return i + 1
+            elif self.depth == 0 and char in ",}\n" and i:
+                return i  # a bare scalar (a number, true): ends before its delimiter
+        return None
 
 
 def _as_call(text: str) -> tuple[str, str] | None:
