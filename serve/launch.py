@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -79,7 +78,7 @@ def serve_env(mode: str, haproxy_dir: Path | None = None, base: dict | None = No
     env.setdefault("RAY_SERVE_HAPROXY_BINARY_PATH", str(HAPROXY_NOSPLICE))
     env.setdefault("TRITONLLM_HAPROXY_PYTHON", sys.executable)
     if haproxy_dir is not None:
-        from serve.triton.launcher import free_port
+        from serve.triton.launcher import free_port, free_port_range
 
         env |= {
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(haproxy_dir / "haproxy.cfg"),
@@ -104,23 +103,6 @@ def serve_env(mode: str, haproxy_dir: Path | None = None, base: dict | None = No
 
 # Ingress replicas of one instance on one node, old and new ones in a rolling update.
 DIRECT_INGRESS_PORTS = 16
-
-
-def free_port_range(count: int) -> int:
-    """The first of ``count`` consecutive loopback ports that are free now."""
-    from serve.triton.launcher import free_port
-
-    while True:
-        first = free_port()
-        if first + count > 65535:
-            continue
-        try:
-            for port in range(first, first + count):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
 
 
 def private_haproxy_dir() -> Path:

@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -114,10 +115,40 @@ def _check_libpython() -> None:
     )
 
 
+# Ports chosen here come from a range the kernel never hands out by itself: above Ray's
+# worker ports (10002-19999) and below Serve's direct-ingress defaults (30000-31000)
+# and Linux's ephemeral range (32768-60999). A port from bind(0) is an ephemeral one,
+# which the kernel also gives every outgoing connection as its local port: one chosen
+# now and bound a minute later (HAProxy's, once a cluster is up) can meanwhile be a
+# connection's, and the bind fails.
+RESERVABLE_PORTS = range(20000, 30000)
+# Ports this process handed out, so that two calls before either port is bound differ.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, on every interface, that no other call here has returned."""
+    return free_port_range(1)
+
+
+def free_port_range(count: int) -> int:
+    """The first of ``count`` consecutive ports that are free now (see ``free_port``)."""
+    for _ in range(10_000):
+        first = random.randrange(RESERVABLE_PORTS.start, RESERVABLE_PORTS.stop - count + 1)
+        ports = range(first, first + count)
+        if _handed_out.isdisjoint(ports) and all(map(_bindable, ports)):
+            _handed_out.update(ports)
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports in {RESERVABLE_PORTS}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+        return True
 
 
 def _die_with_parent() -> None:

@@ -12,11 +12,14 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import pytest
 import yaml
 
 from serve.launch import HAPROXY_NOSPLICE, greeting, serve_env, with_http_options
+from serve.triton import launcher
+from serve.triton.launcher import RESERVABLE_PORTS, free_port, free_port_range
 from tests.conftest import ROOT
 
 _spec = importlib.util.spec_from_file_location("install_torch", ROOT / "scripts/install_torch.py")
@@ -164,3 +167,20 @@ def test_throughput_mode_runs_rays_haproxy_through_the_no_splicing_wrapper():
     assert "RAY_SERVE_HAPROXY_BINARY_PATH" not in serve_env("default", base={})
     own = serve_env("throughput", base={"RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/haproxy"})
     assert own["RAY_SERVE_HAPROXY_BINARY_PATH"] == "/opt/haproxy"  # the caller's wins
+
+
+def test_ports_chosen_for_later_come_from_outside_the_kernels_ephemeral_range(monkeypatch):
+    # CI stop 31: HAProxy's metrics port, chosen by bind(0) when a cluster started,
+    # was some connection's local port by the time HAProxy bound it.
+    monkeypatch.setattr(launcher, "_handed_out", set())
+    low, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)  # none handed out twice, though none is bound
+    assert all(port in RESERVABLE_PORTS and port < low for port in ports)
+    first = free_port_range(16)
+    assert not set(range(first, first + 16)) & set(ports)
+    with socket.socket() as held:  # a port in use is never chosen
+        held.bind(("127.0.0.1", free_port()))
+        taken = held.getsockname()[1]
+        launcher._handed_out.discard(taken)
+        assert taken not in {free_port() for _ in range(2000)}
