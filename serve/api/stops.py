@@ -26,16 +26,20 @@ class StopStringCutter:
         self._stops = stops
         self._include_stop = include_stop
         self._held = ""
-        self.stopped = False
+        self.stop: str | None = None  # the stop string found, once one is
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop is not None
 
     def feed(self, text: str) -> str:
-        """The part of ``held + text`` that is final; sets ``stopped`` at a stop string."""
+        """The part of ``held + text`` that is final; sets ``stop`` at a stop string."""
         buffer = self._held + text
         found = [(buffer.find(s), s) for s in self._stops]
         found = [(at, s) for at, s in found if at >= 0]
         if found:
             at, stop = min(found)
-            self.stopped, self._held = True, ""
+            self.stop, self._held = stop, ""
             return buffer[: at + len(stop)] if self._include_stop else buffer[:at]
         keep = self._undecided_tail(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
