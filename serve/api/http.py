@@ -13,8 +13,10 @@ from fastapi import FastAPI
 
 from serve.api.backend import Backend
 from serve.api.errors import install_handlers
+from serve.api.messages import messages_router
 from serve.api.middleware import BodySizeLimit, RequestRecorder
 from serve.api.operations import operations_router
+from serve.api.responses_api import responses_router
 from serve.api.routes import router
 
 
@@ -34,6 +36,8 @@ def create_app(
     app.add_middleware(BodySizeLimit)
     app.add_middleware(RequestRecorder)  # outermost: it sees the 413s too
     install_handlers(app)
-    app.include_router(router)
+    app.include_router(router)  # chat and text completions, models, embeddings, /generate
+    app.include_router(responses_router)
+    app.include_router(messages_router)
     app.include_router(operations_router)
     return app
