@@ -2,9 +2,9 @@
 
 One ``AppConfig`` describes the whole application: the models it serves (each its
 own Triton model repository and its own Serve deployment of Triton replicas, with
-its own resources, autoscaling and limits), the HTTP front door's limits and its
-API keys. Errors name the bad field (pydantic's own messages). Config objects do
-no I/O; :mod:`serve.app` reads the repositories they name.
+its own resources, autoscaling and limits), the HTTP front door's limits, its
+API keys and where stored responses live. Errors name the bad field (pydantic's own
+messages). Config objects do no I/O; :mod:`serve.app` reads the repositories they name.
 """
 
 from __future__ import annotations
@@ -289,6 +289,42 @@ class APIKeys(_Strict):
     file: Path | None = Field(None, description="a file with one key per line")
 
 
+class ResponsesConfig(_Strict):
+    """Where the Responses API keeps the responses clients ask it to store (``store:
+    true``) for ``previous_response_id`` and ``GET`` / ``DELETE /v1/responses/{id}``."""
+
+    store: Literal["memory", "redis", "none"] = Field(
+        "memory",
+        description="memory: one replica of the app holds them (lost when it restarts); "
+        "redis: a Redis keeps them; none: no response is kept",
+    )
+    ttl_s: float = Field(
+        30 * 24 * 3600.0, gt=0, description="how long a response is kept after it is stored"
+    )
+    max_memory_mb: float = Field(
+        256, gt=0, description="memory store: the responses' JSON, least recently used out first"
+    )
+    redis_url: str | None = Field(None, description="redis: the URL, e.g. redis://host:6379/0")
+    redis_url_env: str | None = Field(
+        None,
+        description="redis: an environment variable of the ingress holding the URL "
+        "(a password stays out of the Serve config)",
+    )
+    key_prefix: str = Field(
+        "tritonllm:responses:",
+        description="redis: each key's prefix (apart from Ray's keys in a shared Redis)",
+    )
+
+    @model_validator(mode="after")
+    def _one_redis_url(self) -> ResponsesConfig:
+        if self.store == "redis" and (self.redis_url is None) == (self.redis_url_env is None):
+            raise ValueError("store: redis needs exactly one of redis_url and redis_url_env")
+        return self
+
+    def max_memory_bytes(self) -> int:
+        return int(self.max_memory_mb * (1 << 20))
+
+
 class IngressOptions(_Strict):
     """The HTTP front door's Serve options: light, async, many requests at once."""
 
@@ -313,6 +349,7 @@ class AppConfig(_Strict):
     )
     max_messages: int = Field(256, gt=0, description="chat messages a request may hold")
     api_keys: APIKeys = Field(default_factory=APIKeys)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     ingress: IngressOptions = Field(default_factory=IngressOptions)
 
     @model_validator(mode="after")
