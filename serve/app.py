@@ -20,6 +20,7 @@ from serve import vllm_deployment
 from serve.config import AppConfig, ModelConfig
 from serve.deployments.ingress import OpenAIIngress
 from serve.deployments.metrics_collector import MetricsCollector
+from serve.deployments.response_store import ResponseStoreReplica
 from serve.deployments.triton_replica import TritonReplica
 from serve.triton import repository
 from tritonllm import contract
@@ -38,13 +39,31 @@ def build_app(args: dict | None = None):
         deployment = serve.deployment(TritonReplica).options(**replica_options(model))
         replicas[model.id] = deployment.bind(model, metrics_collector=collector)
     ingress = serve.deployment(OpenAIIngress).options(**ingress_options(config))
-    return ingress.bind(replicas, config, collector)
+    return ingress.bind(replicas, config, collector, response_store(config))
+
+
+def response_store(config: AppConfig):
+    """The bound memory store every ingress replica shares (None: another store, or none)."""
+    if config.responses.store != "memory":
+        return None
+    deployment = serve.deployment(ResponseStoreReplica).options(**RESPONSE_STORE_OPTIONS)
+    return deployment.bind(config.responses.max_memory_bytes(), config.responses.ttl_s)
 
 
 # One replica holds the latest metrics of every process (serve/metrics.py says why);
 # pushes and scrapes are short calls, so many may run at once.
 COLLECTOR_OPTIONS = {
     "name": "MetricsCollector",
+    "num_replicas": 1,
+    "max_ongoing_requests": 1000,
+    "ray_actor_options": {"num_cpus": 0},
+}
+
+
+# The memory store is one replica, so that every ingress replica sees each record;
+# its calls are short (a dict lookup), so many may run at once.
+RESPONSE_STORE_OPTIONS = {
+    "name": "ResponseStore",
     "num_replicas": 1,
     "max_ongoing_requests": 1000,
     "ray_actor_options": {"num_cpus": 0},

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from serve.api.response_store import ResponseStore
 from serve.api.sampling import SamplingDefaults
 from serve.config import AppConfig, ModelConfig
 from serve.generation import GenerateParams, GenerationChunk
@@ -25,6 +26,7 @@ class Embeddings:
 
 class Backend(Protocol):
     config: AppConfig
+    response_store: ResponseStore | None  # None: the operator keeps no responses
 
     def chat_prompt(
         self, model: ModelConfig, messages: list[dict], tools: list[dict] | None = None

@@ -30,8 +30,10 @@ from serve.api.backend import Embeddings
 from serve.api.chat_template import render_chat_prompt
 from serve.api.errors import APIError, InternalError, Overloaded
 from serve.api.http import create_app
+from serve.api.response_store import ResponseStore
 from serve.api.sampling import SamplingDefaults
 from serve.config import AppConfig, ModelConfig
+from serve.deployments.response_store import open_response_store
 from serve.generation import GenerateParams, GenerationChunk, coalesce
 from serve.metrics import MetricsPublisher, RequestMetrics, replica_labels
 from serve.triton import repository
@@ -115,11 +117,17 @@ def _serves_alternatives(model: ModelConfig) -> bool:
 class OpenAIIngress:
     """Implements :class:`serve.api.backend.Backend` for the routes."""
 
-    async def __init__(self, replicas: dict, config: AppConfig, metrics_collector=None):
+    async def __init__(
+        self, replicas: dict, config: AppConfig, metrics_collector=None, response_store=None
+    ):
         from tritonllm.tokenization import load_tokenizer
 
         self.replicas = replicas  # model id -> DeploymentHandle of its Triton replicas
         self.config = config
+        # response_store: the DeploymentHandle of the app's memory store (store: memory).
+        self.response_store: ResponseStore | None = open_response_store(
+            config.responses, response_store
+        )
         self.metrics = RequestMetrics()
         self.metrics_collector = metrics_collector  # DeploymentHandle (None: no /metrics)
         self._publisher = None
