@@ -1,9 +1,371 @@
-"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``."""
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE
+/v1/responses/{id}``.
+
+A response is one chat turn on the path every chat-shaped API shares
+(:func:`serve.api.prepare.chat_turn`, :mod:`serve.api.answer`): its input items become
+chat messages, its function tools and ``text.format`` the same guides as chat's. With
+``store`` (OpenAI's default) the response and its conversation go to the operator's
+response store (:mod:`serve.api.response_store`), where ``previous_response_id``
+finds them: the next turn's prompt is that conversation, then the new input.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
 
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from serve.api.answer import (
+    Answer,
+    ArgumentsDelta,
+    CallStarted,
+    ContentDelta,
+    Event,
+    start_answer,
+    whole_answer,
+)
 from serve.api.auth import require_api_key
+from serve.api.backend import Backend
+from serve.api.errors import APIError, InternalError, NotFound, TooLarge
+from serve.api.prepare import BackendDep, ChatTurn, chat_turn
+from serve.api.response_store import RecordTooLarge
+from serve.api.responses_schemas import ResponsesRequest, dump_items
+from serve.api.schemas import ChatCompletionRequest
+
+log = logging.getLogger("ray.serve")
 
 responses_router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@responses_router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request, backend: BackendDep):
+    conversation = await _previous_conversation(backend, body.previous_response_id)
+    try:
+        turn = chat_turn(_chat_request(body, conversation), request, backend)
+    except APIError as error:  # named as this API names the field
+        error.param = _renamed(error.param)
+        raise
+    draft = _Draft(body, turn, stored=body.store and backend.response_store is not None)
+    history = conversation + dump_items(body.items)
+    if not body.stream:
+        answer = await whole_answer(backend, turn)
+        response = draft.finished(answer, _output_items(answer))
+        await _save(backend, draft, response, history)
+        return response
+    events = await start_answer(backend, turn)
+    stream = _events(backend, draft, events, history)
+    return StreamingResponse(stream, media_type="text/event-stream")
+
+
+@responses_router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, backend: BackendDep):
+    return (await _stored(backend, response_id, "response_id"))["response"]
+
+
+@responses_router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, backend: BackendDep):
+    store = backend.response_store
+    if store is None or not await store.delete(response_id):
+        raise _not_found(response_id, "response_id")
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+# -- the turn --------------------------------------------------------------------------
+
+
+async def _previous_conversation(backend: Backend, response_id: str | None) -> list[dict]:
+    """The items of the conversation a previous response ended (its input, its output)."""
+    if response_id is None:
+        return []
+    if backend.response_store is None:
+        raise APIError(
+            "previous_response_id needs stored responses, and this server keeps none "
+            "(responses.store is none in its Serve config): send the whole conversation",
+            "previous_response_id",
+        )
+    return (await _stored(backend, response_id, "previous_response_id"))["conversation"]
+
+
+async def _stored(backend: Backend, response_id: str, param: str) -> dict:
+    store = backend.response_store
+    record = await store.get(response_id) if store is not None else None
+    if record is None:
+        raise _not_found(response_id, param)
+    return record
+
+
+def _not_found(response_id: str, param: str) -> NotFound:
+    return NotFound(
+        f"no stored response with id {response_id!r} (never stored, deleted or expired)",
+        param,
+        code="response_not_found",
+    )
+
+
+def _chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(body.chat_request(conversation))
+    except ValidationError as error:  # what the items say only once they are messages
+        first = error.errors()[0]
+        raise APIError(f"input: {first['msg']}", "input") from None
+
+
+# Chat's fields that a refusal may name, as the Responses API calls them.
+_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def _renamed(param: str | None) -> str | None:
+    head, dot, rest = (param or "").partition(".")
+    return _FIELDS[head] + dot + rest if head in _FIELDS else param
+
+
+async def _save(backend: Backend, draft: _Draft, response: dict, history: list[dict]) -> None:
+    if draft.stored:
+        conversation = history + response["output"]
+        record = {"response": response, "conversation": conversation}
+        try:
+            await backend.response_store.put(draft.id, record)
+        except RecordTooLarge as error:
+            raise TooLarge(f"{error}; send store: false", "store") from None
+
+
+# -- shapes ------------------------------------------------------------------------------
+
+
+class _Draft:
+    """The response object of one turn, from ``in_progress`` to its end."""
+
+    def __init__(self, body: ResponsesRequest, turn: ChatTurn, stored: bool):
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.stored = stored
+        self._created = int(time.time())
+        self._body, self._turn = body, turn
+
+    def snapshot(self, status: str, output: list[dict], **fields) -> dict:
+        body, params = self._body, self._turn.params[0]
+        text_format = body.text.format if body.text else None
+        choice = body.tool_choice
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self._created,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "model": self._turn.served,
+            "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": self.stored,
+            "temperature": params.temperature,
+            "text": {"format": _dumped(text_format) or {"type": "text"}},
+            "tool_choice": _dumped(choice) or "auto",
+            "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
+            "top_p": params.top_p,
+            "truncation": "disabled",
+            "usage": None,
+            "user": body.user,
+            **fields,
+        }
+
+    def finished(self, answer: Answer, output: list[dict]) -> dict:
+        """The response once ``answer`` is whole: completed, or incomplete where the
+        token budget cut it."""
+        cut = answer.finish_reason == "length"
+        for item in output:
+            item["status"] = "incomplete" if cut else "completed"
+        return self.snapshot(
+            "incomplete" if cut else "completed",
+            output,
+            completed_at=None if cut else int(time.time()),
+            incomplete_details={"reason": "max_output_tokens"} if cut else None,
+            usage=_usage(answer),
+        )
+
+    def failed(self, error: APIError, output: list[dict]) -> dict:
+        code = error.code or ("server_error" if error.status >= 500 else "invalid_request")
+        return self.snapshot("failed", output, error={"code": code, "message": error.message})
+
+
+def _dumped(value):
+    """A request's model as the response echoes it (a plain value as it is)."""
+    if hasattr(value, "model_dump"):
+        return value.model_dump(by_alias=True, exclude_none=True)
+    return value
+
+
+def _usage(answer: Answer) -> dict:
+    prompt, completion, cached = answer.usage
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+def _message_item(text: str = "") -> dict:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress"}
+    return {**item, "role": "assistant", "content": [part]}
+
+
+def _call_item(call_id: str, name: str, arguments: str = "") -> dict:
+    item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress"}
+    return {**item, "call_id": call_id, "name": name, "arguments": arguments}
+
+
+def _output_items(answer: Answer) -> list[dict]:
+    """A whole answer's output: its text (where it wrote any, or called nothing), then
+    its calls."""
+    text = [_message_item(answer.content)] if answer.content or not answer.calls else []
+    return text + [_call_item(call.id, call.name, call.arguments) for call in answer.calls]
+
+
+# -- streaming ---------------------------------------------------------------------------
+
+
+class _Emitter:
+    """SSE frames of the Responses API: ``event:`` names the type; every event carries
+    its ``sequence_number``."""
+
+    def __init__(self):
+        self._sequence = 0
+
+    def __call__(self, kind: str, **fields) -> str:
+        payload = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+
+
+class _OpenItems:
+    """The output items of a streamed answer, the last one open while text or
+    arguments still arrive; each method returns the events it makes."""
+
+    def __init__(self, emit: _Emitter):
+        self.items: list[dict] = []
+        self._emit = emit
+        self._open: dict | None = None
+
+    def text(self, piece: str) -> list[str]:
+        events = [] if self._is_open("message") else self.open_message()
+        item = self._open
+        item["content"][0]["text"] += piece
+        at = self._at(item) | {"content_index": 0}
+        return events + [self._emit("response.output_text.delta", **at, delta=piece, logprobs=[])]
+
+    def open_message(self) -> list[str]:
+        item = _message_item()
+        events = self._add(item)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        at = self._at(item) | {"content_index": 0}
+        return events + [self._emit("response.content_part.added", **at, part=part)]
+
+    def call(self, call_id: str, name: str) -> list[str]:
+        return self._add(_call_item(call_id, name))
+
+    def arguments(self, piece: str) -> list[str]:
+        item = self._open
+        item["arguments"] += piece
+        return [self._emit("response.function_call_arguments.delta", **self._at(item), delta=piece)]
+
+    def close(self, status: str = "completed") -> list[str]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        item["status"] = status
+        at = self._at(item)
+        if item["type"] == "message":
+            part = item["content"][0]
+            text = {"content_index": 0, "text": part["text"], "logprobs": []}
+            events = [
+                self._emit("response.output_text.done", **at, **text),
+                self._emit("response.content_part.done", **at, content_index=0, part=part),
+            ]
+        else:
+            call = {"name": item["name"], "arguments": item["arguments"]}
+            events = [self._emit("response.function_call_arguments.done", **at, **call)]
+        index = at["output_index"]
+        return events + [self._emit("response.output_item.done", output_index=index, item=item)]
+
+    def _is_open(self, kind: str) -> bool:
+        return self._open is not None and self._open["type"] == kind
+
+    def _at(self, item: dict) -> dict:
+        return {"item_id": item["id"], "output_index": self.items.index(item)}
+
+    def _add(self, item: dict) -> list[str]:
+        events = self.close()
+        self.items.append(item)
+        self._open = item
+        added = {"output_index": len(self.items) - 1, "item": _opening(item)}
+        return events + [self._emit("response.output_item.added", **added)]
+
+
+def _opening(item: dict) -> dict:
+    """An item as ``output_item.added`` shows it: nothing in it yet."""
+    if item["type"] == "message":
+        return {**item, "content": []}
+    return {**item, "arguments": ""}
+
+
+async def _events(
+    backend: Backend, draft: _Draft, events: AsyncIterator[Event], history: list[dict]
+) -> AsyncIterator[str]:
+    emit = _Emitter()
+    output = _OpenItems(emit)
+    yield emit("response.created", response=draft.snapshot("in_progress", []))
+    yield emit("response.in_progress", response=draft.snapshot("in_progress", []))
+    try:
+        async for event in events:
+            if isinstance(event, ContentDelta):
+                frames = output.text(event.text)
+            elif isinstance(event, CallStarted):
+                frames = output.call(event.call_id, event.name)
+            elif isinstance(event, ArgumentsDelta):
+                frames = output.arguments(event.text)
+            else:
+                frames = await _end(backend, draft, event, output, history, emit)
+            for frame in frames:
+                yield frame
+    except APIError as error:  # mid-stream: the response fails, never a cut stream
+        for frame in _failure(draft, error, output, emit):
+            yield frame
+    except Exception:
+        log.exception("response %s failed after its first event", draft.id)
+        error = InternalError("internal server error; see the server log")
+        for frame in _failure(draft, error, output, emit):
+            yield frame
+    finally:  # done, failed or the client left: the engine's stream is closed
+        await events.aclose()
+
+
+async def _end(
+    backend: Backend, draft: _Draft, answer: Answer, output: _OpenItems, history, emit
+) -> list[str]:
+    """The last events: the open item closed (an answer with no text and no call gets
+    one empty message) and the whole response, once stored."""
+    frames = [] if output.items else output.open_message()
+    cut = answer.finish_reason == "length"
+    frames += output.close("incomplete" if cut else "completed")
+    response = draft.finished(answer, output.items)
+    await _save(backend, draft, response, history)
+    kind = "response.incomplete" if cut else "response.completed"
+    return frames + [emit(kind, response=response)]
+
+
+def _failure(draft: _Draft, error: APIError, output: _OpenItems, emit: _Emitter) -> list[str]:
+    frames = output.close("incomplete")
+    return frames + [emit("response.failed", response=draft.failed(error, output.items))]

@@ -52,7 +52,8 @@ class StopStringCutter:
 
     def _undecided_tail(self, buffer: str) -> int:
         """Length of the longest suffix of ``buffer`` that starts some stop string."""
-        for length in range(min(len(buffer), max(map(len, self._stops)) - 1), 0, -1):
+        longest = max(map(len, self._stops), default=0)
+        for length in range(min(len(buffer), longest - 1), 0, -1):
             tail = buffer[-length:]
             if any(s.startswith(tail) for s in self._stops):
                 return length

@@ -59,6 +59,7 @@ class FakeBackend:
         self.params = []
         self.waiting: dict[str, str] = {}  # what not_ready() answers: model id -> reason
         self.alternatives = True  # top-k and prompt log probabilities (not TensorRT-LLM)
+        self.response_store = None  # /v1/responses keeps nothing (tests give it a store)
 
     def chat_prompt(self, model, messages, tools=None):
         return " ".join(m["content"] for m in messages)

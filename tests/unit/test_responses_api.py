@@ -1,0 +1,263 @@
+"""OpenAI's Responses API at the HTTP layer, with the openai SDK itself as the client,
+over a fake backend whose answer is scripted and a real memory store: the shapes whole
+and streamed, function calls and their outputs, ``text.format``, stored responses and
+``previous_response_id``, and the errors."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from serve.api.errors import Overloaded
+from serve.api.http import create_app
+from serve.api.response_store import MemoryStore
+from tests.unit.test_http_api import error_of
+from tests.unit.test_structured_api import CALL, SCHEMA, ScriptedBackend
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "the weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    },
+}
+
+
+class StoringBackend(ScriptedBackend):
+    def __init__(self, answer: str = "hello", **kwargs):
+        super().__init__(answer, **kwargs)
+        self.response_store = MemoryStore(max_bytes=1 << 20, ttl_s=60)
+
+
+def api(backend) -> TestClient:
+    return TestClient(create_app(backend, frozenset(), None), raise_server_exceptions=False)
+
+
+def sdk(backend) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url="http://testserver/v1", api_key="x", http_client=api(backend), max_retries=0
+    )
+
+
+def test_a_text_answer_whole_and_streamed_with_the_sdk():
+    backend = StoringBackend("Paris is sunny.", piece=4)
+    whole = sdk(backend).responses.create(model="llm", input="weather?", instructions="Be brief.")
+    assert whole.status == "completed" and whole.output_text == "Paris is sunny."
+    assert whole.id.startswith("resp_") and whole.model == "llm" and whole.store is True
+    assert whole.usage.output_tokens == 4 and whole.usage.input_tokens == 1
+    messages, tools = backend.rendered[0]
+    assert messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "weather?"},
+    ]
+    assert tools is None
+    with sdk(backend).responses.stream(model="llm", input="weather?") as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == "Paris is sunny." and len(deltas) == 4
+    assert final.output_text == "Paris is sunny." and final.status == "completed"
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_token_budget_cut_is_an_incomplete_response():
+    backend = StoringBackend("a long answer", finish="length")
+    response = sdk(backend).responses.create(model="llm", input="x", max_output_tokens=3)
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert backend.params[0].max_tokens == 3
+    body = (
+        api(backend).post("/v1/responses", json={"model": "llm", "input": "x", "stream": True}).text
+    )
+    assert "event: response.incomplete" in body and "response.completed" not in body
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_a_function_call_round_trip(piece):
+    backend = StoringBackend("Looking. " + CALL, piece=piece)
+    client = sdk(backend)
+    first = client.responses.create(model="llm", input="weather in Paris?", tools=[WEATHER])
+    message, call = first.output
+    assert message.type == "message" and message.content[0].text == "Looking. "
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris", "days": 2}
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    # The client runs the tool and sends its output back with the conversation.
+    backend.answer = "It is 21 C in Paris."
+    turn = [
+        {"role": "user", "content": "weather in Paris?"},
+        *[item.model_dump(exclude_none=True) for item in first.output],
+        {"type": "function_call_output", "call_id": call.call_id, "output": "21 C"},
+    ]
+    second = client.responses.create(model="llm", input=turn, tools=[WEATHER], store=False)
+    assert second.output_text == "It is 21 C in Paris." and second.store is False
+    messages, tools = backend.rendered[-1]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["content"] == "Looking. "
+    assert messages[1]["tool_calls"][0]["id"] == call.call_id
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 2}
+    assert messages[2] == {"role": "tool", "content": "21 C", "tool_call_id": call.call_id}
+    assert tools[0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize("piece", [1, 2, 7, 1000])
+def test_streamed_calls_become_function_call_items_whose_arguments_reassemble(piece):
+    answer = "Looking. " + CALL + CALL.replace("Paris", "Rome")
+    backend = StoringBackend(answer, piece=piece)
+    with sdk(backend).responses.stream(model="llm", input="x", tools=[WEATHER]) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["message", "function_call", "function_call"]
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Rome"]
+    streamed = {}
+    for event in events:
+        if event.type == "response.function_call_arguments.delta":
+            streamed[event.item_id] = streamed.get(event.item_id, "") + event.delta
+    assert streamed == {c.id: c.arguments for c in calls}
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [e.output_index for e in done] == [0, 1, 2]  # each item closed before the next
+    assert final.output[0].content[0].text == "Looking. "
+
+
+def test_tool_choice_and_text_format_become_the_engines_guides():
+    backend = StoringBackend(CALL)
+    client = sdk(backend)
+    client.responses.create(
+        model="llm",
+        input="x",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
+    assert backend.params[-1].guide_type == "structural_tag"
+    assert "get_weather" in backend.params[-1].guide
+    backend.answer = '{"a": 1}'
+    text = {"format": {"type": "json_schema", "name": "a", "schema": SCHEMA, "strict": True}}
+    response = client.responses.create(model="llm", input="x", text=text)
+    assert backend.params[-1].guide_type == "json_schema"
+    assert json.loads(backend.params[-1].guide) == SCHEMA
+    assert response.text.format.type == "json_schema" and response.output_text == '{"a": 1}'
+
+
+def test_stored_responses_chain_and_can_be_read_and_deleted():
+    backend = StoringBackend("Hi Ada.")
+    client = sdk(backend)
+    first = client.responses.create(model="llm", input="I am Ada.", instructions="Be kind.")
+    backend.answer = "Your name is Ada."
+    second = client.responses.create(
+        model="llm", input="What is my name?", previous_response_id=first.id
+    )
+    assert second.previous_response_id == first.id
+    messages, _ = backend.rendered[-1]
+    # The previous turn's input and output, then the new input; instructions are not
+    # carried over (OpenAI's rule): only this request's.
+    assert messages == [
+        {"role": "user", "content": "I am Ada."},
+        {"role": "assistant", "content": "Hi Ada."},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    assert client.responses.retrieve(second.id).output_text == "Your name is Ada."
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model="llm", input="x", previous_response_id=first.id)
+    assert missing.value.body["param"] == "previous_response_id"
+    unstored = client.responses.create(model="llm", input="x", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_a_streamed_response_is_stored_as_streamed():
+    backend = StoringBackend("Looking. " + CALL, piece=2)
+    client = sdk(backend)
+    with client.responses.stream(model="llm", input="x", tools=[WEATHER]) as stream:
+        final = stream.get_final_response()
+    stored = client.responses.retrieve(final.id)
+    assert stored.status == final.status == "completed" and stored.usage == final.usage
+    assert [item.id for item in stored.output] == [item.id for item in final.output]
+    assert stored.output[0].content[0].text == "Looking. "
+    assert stored.output[1].arguments == final.output[1].arguments
+
+
+def test_without_a_store_nothing_is_kept_and_chaining_is_a_400():
+    backend = ScriptedBackend("hi")  # response_store None: the operator keeps none
+    client = sdk(backend)
+    response = client.responses.create(model="llm", input="x")
+    assert response.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="llm", input="x", previous_response_id=response.id)
+    assert "keeps none" in refused.value.message
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
+        ({"input": "x", "tool_choice": "required"}, None),
+        ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
+        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": "x", "max_output_tokens": 1000}, "max_output_tokens"),
+        ({"input": "x", "temperature": 3}, "temperature"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
+    ],
+)
+def test_bad_requests_are_400s_in_openais_shape(body, param):
+    response = api(StoringBackend()).post("/v1/responses", json={"model": "llm", **body})
+    error = error_of(response, 400)
+    if param is not None:
+        assert error["param"].startswith(param), error
+
+
+def test_an_unknown_model_is_a_404_and_a_failure_mid_stream_fails_the_response():
+    backend = StoringBackend()
+    error = error_of(api(backend).post("/v1/responses", json={"model": "no", "input": "x"}), 404)
+    assert error["param"] == "model"
+    failing = StoringBackend("one two three four", piece=4)
+    failing.fail_after, failing.error = 1, Overloaded("replica lost")
+
+    async def chunks(params, inner=failing._chunks):
+        async for i, chunk in _enumerate(inner(params)):
+            if i >= 1:
+                raise failing.error
+            yield chunk
+
+    failing._chunks = chunks
+    body = (
+        api(failing).post("/v1/responses", json={"model": "llm", "input": "x", "stream": True}).text
+    )
+    frames = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ")]
+    assert frames[-1]["type"] == "response.failed"
+    assert frames[-1]["response"]["error"]["message"] == "replica lost"
+    assert failing.response_store._texts == {}  # a failed response is not stored
+
+
+async def _enumerate(stream):
+    i = 0
+    async for item in stream:
+        yield i, item
+        i += 1
