@@ -5,15 +5,21 @@ and streamed, function calls and their outputs, ``text.format``, stored response
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from serve.api.answer import start_answer
 from serve.api.errors import Overloaded
 from serve.api.http import create_app
+from serve.api.prepare import ChatTurn
 from serve.api.response_store import MemoryStore
+from serve.api.responses_api import _Draft, _events
+from serve.api.responses_schemas import ResponsesRequest
+from serve.generation import GenerateParams
 from tests.unit.test_http_api import error_of
 from tests.unit.test_structured_api import CALL, SCHEMA, ScriptedBackend
 
@@ -261,3 +267,30 @@ async def _enumerate(stream):
     async for item in stream:
         yield i, item
         i += 1
+
+
+def test_a_stream_its_client_leaves_closes_the_engines_stream():
+    # Starlette closes the response's generator when the client disconnects; the
+    # engine's stream behind it must close too (the replica then cancels the sequence).
+    closed = []
+
+    class ClosingBackend(StoringBackend):
+        async def _chunks(self, params):
+            try:
+                async for chunk in super()._chunks(params):
+                    yield chunk
+            finally:
+                closed.append(params.request_id)
+
+    async def leave_after_the_first_delta() -> list[str]:
+        backend = ClosingBackend("one two three four", piece=2)
+        turn = ChatTurn(backend.config.model("llm"), [GenerateParams("p", 8, request_id="r")], None)
+        draft = _Draft(ResponsesRequest(model="llm", input="x"), turn, stored=False)
+        frames = _events(backend, draft, await start_answer(backend, turn), [])
+        async for frame in frames:
+            if "response.output_text.delta" in frame:
+                break
+        await frames.aclose()
+        return list(closed)  # now, not once asyncio.run has closed what is left
+
+    assert asyncio.run(leave_after_the_first_delta()) == ["r"]
