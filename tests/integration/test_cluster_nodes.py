@@ -146,12 +146,13 @@ def test_a_lost_worker_node_is_replaced_while_the_app_keeps_serving(
         victim = next(node for node in workers if node.name == placed[0])
 
         clients = 2 * ["completion", "completion-stream", "embeddings"]
-        with ThreadPoolExecutor(4) as pool, Traffic(cluster.url, clients=clients) as traffic:
-            # Long streams on both replicas (Serve routes each to the less busy one)
-            # when the node goes: those on its replica are cut mid-answer.
+        with ThreadPoolExecutor(8) as pool, Traffic(cluster.url, clients=clients) as traffic:
+            # Long streams on both replicas when the node goes: those on its replica are
+            # cut mid-answer. Eight: sent at once, Serve's router has placed four of
+            # four on one replica (a failed run), which leaves no survivor to check.
             long_streams = [
                 pool.submit(stream_events, cluster.url, max_tokens=400, min_tokens=400)
-                for _ in range(4)
+                for _ in range(8)
             ]
             time.sleep(5)
             killed_at = time.monotonic()
@@ -164,7 +165,8 @@ def test_a_lost_worker_node_is_replaced_while_the_app_keeps_serving(
             wait_for(recovered, 180, "two LLM replicas running again")
             recovered_s = time.monotonic() - killed_at
             time.sleep(10)
-            cut = [ended_with_error(f.result(timeout=240)) for f in long_streams]
+            streams = [f.result(timeout=240) for f in long_streams]
+            cut = [ended_with_error(events) for events in streams]
             hanging = traffic.stop()
         before = traffic.counts(until=killed_at)
         during = traffic.counts(since=killed_at, until=killed_at + recovered_s)
@@ -172,6 +174,8 @@ def test_a_lost_worker_node_is_replaced_while_the_app_keeps_serving(
         print(f"node lost: LLM back to 2 replicas in {recovered_s:.1f} s")
         print(f"before: {before}\nduring: {during}\nafter: {after}")
         print(f"long streams cut by the node's loss: {sum(cut)} of {len(cut)}")
+        for events, was_cut in zip(streams, cut, strict=True):
+            print(f"  {len(events) - 2} chunks, then {events[-2] if was_cut else 'the end'}")
     finally:
         cluster.stop()
     assert hanging == 0
