@@ -1,20 +1,23 @@
-"""OpenAI error objects with the right HTTP status, and FastAPI's handlers for them.
+"""Error objects with the right HTTP status, and FastAPI's handlers for them.
 
 Code raises an :class:`APIError` subclass; one set of handlers turns it, FastAPI's
 validation errors (400, never 422) and anything unexpected (500, a generic message,
-the details only in the log with the request id) into
-``{"error": {"message", "type", "param", "code"}}``.
+the details only in the log with the request id) into the error object of the API the
+request's path belongs to: OpenAI's ``{"error": {"message", "type", "param", "code"}}``,
+or under ``/v1/messages`` Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from serve.api import unsupported
 
@@ -99,8 +102,64 @@ def _specificity(error: dict) -> tuple[bool, int]:
     return mismatch, 0 if mismatch else -len(error["loc"])
 
 
+# Anthropic's error type of each status (its API's "Errors" page); 529 is its overload.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+MESSAGES_PATH = "/v1/messages"
+
+
+def anthropic_body(error: APIError) -> dict:
+    """Anthropic's error object; a status it names no type for is an
+    ``invalid_request_error`` below 500 and an ``api_error`` from 500 on."""
+    fallback = "invalid_request_error" if error.status < 500 else "api_error"
+    kind = _ANTHROPIC_TYPES.get(error.status, fallback)
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether a request path is the Messages API's (its routes and any path below)."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def body_builder(path: str) -> Callable[[APIError], dict]:
+    """The error object of the API ``path`` belongs to: OpenAI's unless Anthropic's."""
+    return anthropic_body if speaks_anthropic(path) else APIError.body
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the routes see (a Serve route prefix is the ASGI ``root_path``)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+class ErrorResponse(JSONResponse):
+    """An :class:`APIError` in the shape of the request's API, chosen when it is sent:
+    the body-size middleware refuses a request before routing, with only the ASGI scope
+    at hand, so the shape is read from the scope there and in the handlers alike."""
+
+    def __init__(self, error: APIError):
+        self.error = error
+        super().__init__(error.body(), status_code=error.status, headers=error.headers())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        build = body_builder(_route_path(scope))
+        if build is not APIError.body:
+            self.body = self.render(build(self.error))
+            self.init_headers(self.error.headers())  # the new body's length
+        await super().__call__(scope, receive, send)
+
+
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+    return ErrorResponse(error)
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -109,12 +168,16 @@ def install_handlers(app: FastAPI) -> None:
         return error_response(error)
 
     @app.exception_handler(RequestValidationError)
-    async def on_invalid(_: Request, error: RequestValidationError):
+    async def on_invalid(request: Request, error: RequestValidationError):
         first = min(error.errors(), key=_specificity)
         param = ".".join(str(p) for p in first["loc"] if not _not_a_field(p)) or None
         message = first["msg"]
-        if first["type"] == "extra_forbidden" and unsupported.reason(str(first["loc"][-1])):
-            message = f"not supported: {unsupported.reason(str(first['loc'][-1]))}"
+        # The reasons are OpenAI's fields' (the Messages API's schemas give their own).
+        reason = None
+        if first["type"] == "extra_forbidden" and not speaks_anthropic(_route_path(request.scope)):
+            reason = unsupported.reason(str(first["loc"][-1]))
+        if reason:
+            message = f"not supported: {reason}"
         return error_response(APIError(f"{param}: {message}", param=param))
 
     @app.exception_handler(StarletteHTTPException)
