@@ -1,4 +1,5 @@
-"""Optional API keys: ``Authorization: Bearer <key>`` on every API route.
+"""Optional API keys: ``Authorization: Bearer <key>`` on every API route, and on
+Anthropic's Messages API its own header ``x-api-key: <key>`` as well.
 
 Keys come from an environment variable (comma-separated) and/or a file (one per
 line, ``#`` comments), never from the Serve config itself, so they stay out of
@@ -32,20 +33,50 @@ def check_api_key(keys: frozenset[str], authorization: str | None) -> None:
     """Raise 401 unless ``authorization`` is ``Bearer <one of keys>`` (or no keys are set)."""
     if not keys:
         return
-    scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not given:
+    given = _bearer(authorization)
+    if given is None:
         raise Unauthorized(
             "missing API key: send the header 'Authorization: Bearer <key>'",
             code="invalid_api_key",
         )
+    if not _is_one_of(keys, given):
+        raise Unauthorized("invalid API key", code="invalid_api_key")
+
+
+def _bearer(authorization: str | None) -> str | None:
+    scheme, _, given = (authorization or "").partition(" ")
+    return given if scheme.lower() == "bearer" and given else None
+
+
+def _is_one_of(keys: frozenset[str], given: str) -> bool:
     # compare_digest on every key: the time taken does not tell which key is close.
     matches = [hmac.compare_digest(given.strip().encode(), k.encode()) for k in keys]
-    if not any(matches):
-        raise Unauthorized("invalid API key", code="invalid_api_key")
+    return any(matches)
+
+
+def _keys(request: Request) -> frozenset[str]:
+    return getattr(request.app.state, "api_keys", frozenset())
 
 
 async def require_api_key(request: Request) -> None:
     """FastAPI dependency; the ingress puts the loaded keys in ``app.state.api_keys``."""
-    check_api_key(
-        getattr(request.app.state, "api_keys", frozenset()), request.headers.get("authorization")
-    )
+    check_api_key(_keys(request), request.headers.get("authorization"))
+
+
+async def require_messages_api_key(request: Request) -> None:
+    """The Messages API's dependency: Anthropic's clients send ``x-api-key``; a Bearer
+    key (OpenAI's way, and Anthropic's SDK's ``auth_token``) is taken too. Either header
+    holding a key lets the request in."""
+    keys = _keys(request)
+    if not keys:
+        return
+    given = [request.headers.get("x-api-key"), _bearer(request.headers.get("authorization"))]
+    given = [key for key in given if key and key.strip()]
+    if not given:
+        raise Unauthorized(
+            "missing API key: send the header 'x-api-key: <key>' "
+            "(or 'Authorization: Bearer <key>')",
+            code="invalid_api_key",
+        )
+    if not any([_is_one_of(keys, key) for key in given]):  # a list: every key compared
+        raise Unauthorized("invalid API key", code="invalid_api_key")
