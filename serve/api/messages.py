@@ -1,7 +1,201 @@
-"""Anthropic's Messages API: ``POST /v1/messages``."""
+"""Anthropic's Messages API: ``POST /v1/messages``.
+
+A message is one chat turn on the path every chat-shaped API shares: the request
+becomes a chat request (:meth:`MessagesRequest.chat_request`) for
+:func:`serve.api.prepare.chat_turn` (model, limits, template, guides, call syntax), and
+the answer of :mod:`serve.api.answer` is shaped here as Anthropic's message, whole or
+as its stream of events. Errors on this path have Anthropic's shape
+(:mod:`serve.api.errors`).
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
 
-messages_router = APIRouter()
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from serve.api.answer import (
+    Answer,
+    ArgumentsDelta,
+    CallStarted,
+    ContentDelta,
+    Event,
+    start_answer,
+    whole_answer,
+)
+from serve.api.auth import require_messages_api_key
+from serve.api.errors import MESSAGES_PATH, APIError, InternalError, anthropic_body
+from serve.api.messages_schemas import (
+    Message,
+    MessagesRequest,
+    StopReason,
+    TextBlock,
+    ToolUseBlock,
+    Usage,
+)
+from serve.api.prepare import BackendDep, chat_turn
+
+log = logging.getLogger("ray.serve")
+
+messages_router = APIRouter(dependencies=[Depends(require_messages_api_key)])
+
+
+@messages_router.post(MESSAGES_PATH)
+async def create_message(body: MessagesRequest, request: Request, backend: BackendDep):
+    turn = chat_turn(body.chat_request(), request, backend)
+    message_id = f"msg_{uuid.uuid4().hex}"
+    if not body.stream:
+        answer = await whole_answer(backend, turn)
+        return JSONResponse(_message(message_id, turn.served, answer).model_dump())
+    events = await start_answer(backend, turn)
+    stream = _stream(message_id, turn.served, events)
+    return StreamingResponse(stream, media_type="text/event-stream")
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's id style for the project's call ids; the client sends it back in its
+    tool_result, which reaches the chat template as the call's id."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _stop(answer: Answer) -> tuple[StopReason, str | None]:
+    """The stop reason, and the stop sequence it names (only with ``stop_sequence``)."""
+    if answer.finish_reason == "tool_calls":
+        return "tool_use", None
+    if answer.finish_reason == "length":
+        return "max_tokens", None
+    if answer.stop_string is not None:
+        return "stop_sequence", answer.stop_string
+    return "end_turn", None
+
+
+def _usage(answer: Answer) -> Usage:
+    prompt, output, cached = answer.usage
+    return Usage(input_tokens=prompt - cached, output_tokens=output, cache_read_input_tokens=cached)
+
+
+def _has_text(answer: Answer) -> bool:
+    """Whether the answer's content is a text block: as Anthropic answers, none for an
+    answer of calls with only whitespace (or nothing) before them."""
+    return bool(answer.content.strip()) if answer.calls else bool(answer.content)
+
+
+def _message(message_id: str, model: str, answer: Answer) -> Message:
+    content: list[TextBlock | ToolUseBlock] = []
+    if _has_text(answer):
+        content.append(TextBlock(text=answer.content))
+    for call in answer.calls:
+        arguments = json.loads(call.arguments)  # whole answers hold parsed calls only
+        content.append(ToolUseBlock(id=tool_use_id(call.id), name=call.name, input=arguments))
+    reason, sequence = _stop(answer)
+    return Message(
+        id=message_id,
+        model=model,
+        content=content,
+        stop_reason=reason,
+        stop_sequence=sequence,
+        usage=_usage(answer),
+    )
+
+
+# -- the stream --------------------------------------------------------------------------
+
+
+def _sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+async def _stream(message_id: str, model: str, events: AsyncIterator[Event]):
+    """Anthropic's events: message_start, ping, each content block opened, filled and
+    closed in order, message_delta with the stop reason and the usage, message_stop. An
+    error after the first byte is an ``error`` event, never a cut stream."""
+    # The prompt's token count comes with the answer's last event: message_start says 0
+    # and message_delta, whose counts are the totals, carries it.
+    empty = Message(
+        id=message_id,
+        model=model,
+        content=[],
+        stop_reason=None,
+        stop_sequence=None,
+        usage=Usage(input_tokens=0, output_tokens=0),
+    )
+    blocks = _Blocks()
+    try:
+        yield _sse({"type": "message_start", "message": empty.model_dump()})
+        yield _sse({"type": "ping"})
+        async for event in events:
+            for shaped in blocks.shape(event):
+                yield _sse(shaped)
+        yield _sse({"type": "message_stop"})
+    except APIError as error:
+        yield _sse(anthropic_body(error))
+    except Exception:
+        log.exception("message stream %s failed after its first byte", message_id)
+        yield _sse(anthropic_body(InternalError("internal server error; see the server log")))
+    finally:
+        await events.aclose()  # also when the client left: the engine stops
+
+
+class _Blocks:
+    """Turns the answer's events into Anthropic's content block events: a block stays
+    open until one of another kind begins (a text block closes before a call's opens).
+    Whitespace before any block or between calls is held: it opens a text block only
+    where the whole answer would have one (:func:`_has_text`)."""
+
+    def __init__(self):
+        self.index = -1  # the open block's (the last opened)
+        self.open: str | None = None  # "text" | "tool_use" | None
+        self.held = ""  # whitespace not yet in a block
+
+    def shape(self, event: Event) -> list[dict]:
+        if isinstance(event, ContentDelta):
+            return self._text(event.text)
+        if isinstance(event, CallStarted):
+            self.held = ""
+            call = ToolUseBlock(id=tool_use_id(event.call_id), name=event.name, input={})
+            return self._start("tool_use", call.model_dump())
+        if isinstance(event, ArgumentsDelta):
+            return [self._delta({"type": "input_json_delta", "partial_json": event.text})]
+        return self._end(event)
+
+    def _text(self, text: str) -> list[dict]:
+        if self.open == "text":
+            return [self._delta({"type": "text_delta", "text": text})]
+        if not text.strip():
+            self.held += text
+            return []
+        text, self.held = self.held + text, ""
+        opening = self._start("text", TextBlock(text="").model_dump())
+        return opening + [self._delta({"type": "text_delta", "text": text})]
+
+    def _start(self, kind: str, block: dict) -> list[dict]:
+        events = self._close()
+        self.index, self.open = self.index + 1, kind
+        return events + [
+            {"type": "content_block_start", "index": self.index, "content_block": block}
+        ]
+
+    def _delta(self, delta: dict) -> dict:
+        return {"type": "content_block_delta", "index": self.index, "delta": delta}
+
+    def _close(self) -> list[dict]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": self.index}]
+
+    def _end(self, answer: Answer) -> list[dict]:
+        events = []
+        if self.held and not answer.calls:  # an answer of whitespace only
+            events += self._start("text", TextBlock(text="").model_dump())
+            events.append(self._delta({"type": "text_delta", "text": self.held}))
+        events += self._close()
+        reason, sequence = _stop(answer)
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        return events + [
+            {"type": "message_delta", "delta": delta, "usage": _usage(answer).model_dump()}
+        ]
