@@ -5,7 +5,9 @@
 docker/kuberay/rayservice.yaml carries the same config (a unit test compares them;
 ``--update-rayservice`` rewrites it after serve/config.yaml changes). Only what a
 container changes is changed: the proxy listens on 0.0.0.0 on every node, and each
-Triton replica reserves its GPUs.
+Triton replica reserves its GPUs. ``--responses-redis-url-env NAME`` also keeps stored
+responses in the Redis whose URL the variable NAME holds; the RayService's config does,
+with :data:`KUBERAY_RESPONSES_REDIS_URL_ENV` (the Redis of its GCS fault tolerance).
 """
 
 from __future__ import annotations
@@ -19,20 +21,33 @@ import yaml
 
 SERVE_CONFIG = Path(__file__).with_name("config.yaml")
 RAYSERVICE = Path(__file__).resolve().parent.parent / "docker" / "kuberay" / "rayservice.yaml"
+# The variable the RayService's pods set to the Redis URL of the stored responses
+# (docker/kuberay/rayservice.yaml builds it from the GCS's Redis and its password).
+KUBERAY_RESPONSES_REDIS_URL_ENV = "TRITONLLM_RESPONSES_REDIS_URL"
 
 
 def load_base(path: Path = SERVE_CONFIG) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def deploy_config(base: dict, gpus_per_replica: float = 1, port: int = 8000) -> dict:
-    """``base`` with the proxy on 0.0.0.0:``port`` everywhere and GPUs per replica."""
+def deploy_config(
+    base: dict,
+    gpus_per_replica: float = 1,
+    port: int = 8000,
+    responses_redis_url_env: str | None = None,
+) -> dict:
+    """``base`` with the proxy on 0.0.0.0:``port`` everywhere and GPUs per replica; with
+    ``responses_redis_url_env``, every app stores responses in the Redis whose URL that
+    environment variable holds."""
     config = copy.deepcopy(base)
     config["proxy_location"] = "EveryNode"
     config["http_options"] = {**config.get("http_options", {}), "host": "0.0.0.0", "port": port}
     for app in config["applications"]:
-        for actor in triton_actor_options(app.setdefault("args", {})):
+        args = app.setdefault("args", {})
+        for actor in triton_actor_options(args):
             _set_gpus(actor, gpus_per_replica)
+        if responses_redis_url_env:
+            _store_responses_in_redis(args, responses_redis_url_env)
     return config
 
 
@@ -55,6 +70,13 @@ def _set_gpus(actor: dict, gpus_per_replica: float) -> None:
         actor.pop("num_gpus", None)
 
 
+def _store_responses_in_redis(args: dict, url_env: str) -> None:
+    # The URL comes from the environment so the password stays out of serveConfigV2;
+    # a redis_url of the base would be a second URL, which ResponsesConfig refuses.
+    responses = {k: v for k, v in args.get("responses", {}).items() if k != "redis_url"}
+    args["responses"] = {**responses, "store": "redis", "redis_url_env": url_env}
+
+
 def update_rayservice(path: Path, config: dict) -> bool:
     """Rewrite the ``serveConfigV2`` block of a RayService manifest; True if it changed."""
     lines = path.read_text().splitlines(keepends=True)
@@ -75,14 +97,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", type=Path, default=SERVE_CONFIG, help="the Serve config to adapt")
     p.add_argument("--gpus-per-replica", type=float, default=1, help="0 on a CPU-only cluster")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--responses-redis-url-env",
+        metavar="NAME",
+        help="store responses in the Redis whose URL the environment variable NAME holds",
+    )
     p.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
     p.add_argument(
         "--update-rayservice",
         action="store_true",
-        help=f"rewrite serveConfigV2 in {RAYSERVICE.relative_to(RAYSERVICE.parents[2])}",
+        help=f"rewrite serveConfigV2 in {RAYSERVICE.relative_to(RAYSERVICE.parents[2])} "
+        f"(responses in Redis, URL in {KUBERAY_RESPONSES_REDIS_URL_ENV})",
     )
     args = p.parse_args(argv)
-    config = deploy_config(load_base(args.base), args.gpus_per_replica, args.port)
+    if args.update_rayservice:
+        args.responses_redis_url_env = KUBERAY_RESPONSES_REDIS_URL_ENV
+    config = deploy_config(
+        load_base(args.base), args.gpus_per_replica, args.port, args.responses_redis_url_env
+    )
     if args.update_rayservice:
         changed = update_rayservice(RAYSERVICE, config)
         print(f"{RAYSERVICE}: {'updated' if changed else 'already current'}")

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from serve.deploy_config import deploy_config, load_base, update_rayservice
+from serve.config import AppConfig, ResponsesConfig
+from serve.deploy_config import (
+    KUBERAY_RESPONSES_REDIS_URL_ENV,
+    deploy_config,
+    load_base,
+    main,
+    update_rayservice,
+)
 from tests.conftest import ROOT
 from tests.unit.test_docker import compose, image_ray_version, served_repositories
 
@@ -34,6 +43,18 @@ def pods(docs) -> dict[str, dict]:
     return specs
 
 
+def serving_pods(docs) -> dict[str, dict]:
+    """The head and the worker groups: the pods Serve's replicas may run in."""
+    return {name: pod for name, pod in pods(docs).items() if name != "build-job"}
+
+
+def cluster_config(gpus_per_replica: float = 1) -> dict:
+    """What serveConfigV2 should be: serve/config.yaml as `--update-rayservice` adapts it."""
+    return deploy_config(
+        load_base(), gpus_per_replica, responses_redis_url_env=KUBERAY_RESPONSES_REDIS_URL_ENV
+    )
+
+
 def claim_mounts(pod: dict) -> dict[str, tuple[str, str]]:
     """mountPath -> (claim, subPath) of the pod's persistent volume claims."""
     (container,) = pod["containers"]
@@ -49,24 +70,69 @@ def claim_mounts(pod: dict) -> dict[str, tuple[str, str]]:
 
 def test_serve_config_v2_is_serve_config_yaml_for_a_gpu_cluster(docs):
     served = yaml.safe_load(docs["RayService"]["spec"]["serveConfigV2"])
-    assert served == deploy_config(load_base(), gpus_per_replica=1), (
+    assert served == cluster_config(gpus_per_replica=1), (
         "serveConfigV2 drifted from serve/config.yaml: "
         "run `python -m serve.deploy_config --update-rayservice`"
     )
     ServeDeploySchema.model_validate(served)
+    for app in served["applications"]:
+        AppConfig.model_validate(app["args"])  # the app's own schema, responses included
 
 
 def test_update_rewrites_only_the_serve_config(tmp_path):
     manifest = tmp_path / "rayservice.yaml"
     manifest.write_text(MANIFEST.read_text())
-    assert not update_rayservice(manifest, deploy_config(load_base(), 1))  # current
-    two_gpus = deploy_config(load_base(), 2)
+    assert not update_rayservice(manifest, cluster_config(1))  # current
+    two_gpus = cluster_config(2)
     assert update_rayservice(manifest, two_gpus)
     before = list(yaml.safe_load_all(MANIFEST.read_text()))
     after = list(yaml.safe_load_all(manifest.read_text()))
     assert yaml.safe_load(after[0]["spec"].pop("serveConfigV2")) == two_gpus
     before[0]["spec"].pop("serveConfigV2")
     assert after == before
+
+
+def test_responses_redis_url_env_stores_every_apps_responses_in_redis():
+    base = load_base()
+    base["applications"][0]["args"]["responses"] = {"redis_url": "redis://x:6379/0", "ttl_s": 60}
+    config = deploy_config(base, 1, responses_redis_url_env="URL_VAR")
+    responses = config["applications"][0]["args"]["responses"]
+    # The base's other fields stay; its URL gives way to the variable (exactly one).
+    assert responses == {"ttl_s": 60, "store": "redis", "redis_url_env": "URL_VAR"}
+    assert AppConfig.model_validate(config["applications"][0]["args"]).responses == (
+        ResponsesConfig(store="redis", redis_url_env="URL_VAR", ttl_s=60)
+    )
+    assert base["applications"][0]["args"]["responses"]["redis_url"]  # base untouched
+    without = deploy_config(load_base(), 1)["applications"][0]["args"]
+    assert without.get("responses") == load_base()["applications"][0]["args"].get("responses")
+
+
+def test_responses_redis_url_env_flag(tmp_path):
+    out = tmp_path / "serve.yaml"
+    assert main(["--responses-redis-url-env", "URL_VAR", "-o", str(out)]) == 0
+    config = yaml.safe_load(out.read_text())
+    assert config == deploy_config(load_base(), 1, responses_redis_url_env="URL_VAR")
+
+
+def test_stored_responses_go_to_the_gcs_redis_in_database_1(docs):
+    served = yaml.safe_load(docs["RayService"]["spec"]["serveConfigV2"])
+    gcs = docs["RayService"]["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    for app in served["applications"]:
+        responses = AppConfig.model_validate(app["args"]).responses
+        assert responses.store == "redis" and responses.redis_url_env
+        for name, pod in serving_pods(docs).items():
+            (container,) = pod["containers"]
+            names = [e["name"] for e in container["env"]]
+            env = {e["name"]: e for e in container["env"]}
+            url = urlsplit(env[responses.redis_url_env]["value"])
+            password = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+            assert password == gcs["redisPassword"]["valueFrom"]["secretKeyRef"], name
+            assert url.password == "$(REDIS_PASSWORD)", name
+            # Kubernetes expands $(VAR) only of variables defined earlier in the list.
+            assert names.index("REDIS_PASSWORD") < names.index(responses.redis_url_env), name
+            assert url.netloc.split("@")[1] == gcs["redisAddress"], name
+            # Ray's GCS keeps its keys in database 0; the responses stay out of it.
+            assert url.scheme == "redis" and int(url.path.lstrip("/")) != 0, name
 
 
 def test_cluster_runs_the_gpu_image_and_the_tested_ray(docs):
@@ -142,9 +208,7 @@ def test_autoscaling_adds_gpu_workers_up_to_the_llm_replicas(docs):
 
 
 def test_serving_pods_read_api_keys_from_the_secret(docs):
-    for name, pod in pods(docs).items():
-        if name == "build-job":
-            continue
+    for name, pod in serving_pods(docs).items():
         (container,) = pod["containers"]
         env = {e["name"]: e for e in container.get("env", [])}
         ref = env["TRITONLLM_API_KEYS"]["valueFrom"]["secretKeyRef"]
