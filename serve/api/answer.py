@@ -72,12 +72,29 @@ async def whole_answer(backend: Backend, turn: ChatTurn) -> Answer:
     return Answer(content, calls, _finish(finish, calls), cutter.stop, last)
 
 
-async def start_answer(backend: Backend, turn: ChatTurn) -> AsyncIterator[Event]:
-    """The answer's events, its :class:`Answer` last. The first chunk is awaited here,
-    so a refusal is still an HTTP status; a failure later is raised by the iterator
-    (an :class:`serve.api.errors.APIError` where it is the client's to read)."""
+class AnswerStream:
+    """A started answer: the prompt's token counts, known from its first chunk, and its
+    events (``async for``), its :class:`Answer` last; ``aclose`` stops the engine's
+    sequence."""
+
+    def __init__(self, first: GenerationChunk, events: AsyncIterator[Event]):
+        self.input_tokens = first.num_input_tokens
+        self.cached_tokens = first.num_cached_tokens
+        self._events = events
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._events
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+
+async def start_answer(backend: Backend, turn: ChatTurn) -> AnswerStream:
+    """The answer, started. The first chunk is awaited here, so a refusal is still an
+    HTTP status; a failure later is raised by the iterator (an
+    :class:`serve.api.errors.APIError` where it is the client's to read)."""
     first, rest = await backend.start(turn.model, turn.params[0])
-    return _events(first, rest, turn)
+    return AnswerStream(first, _events(first, rest, turn))
 
 
 async def _events(first: GenerationChunk, rest, turn: ChatTurn) -> AsyncIterator[Event]:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from serve.api.answer import (
     Answer,
+    AnswerStream,
     ArgumentsDelta,
     CallStarted,
     ContentDelta,
@@ -109,19 +109,22 @@ def _sse(event: dict) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
-async def _stream(message_id: str, model: str, events: AsyncIterator[Event]):
+async def _stream(message_id: str, model: str, events: AnswerStream):
     """Anthropic's events: message_start, ping, each content block opened, filled and
     closed in order, message_delta with the stop reason and the usage, message_stop. An
     error after the first byte is an ``error`` event, never a cut stream."""
-    # The prompt's token count comes with the answer's last event: message_start says 0
-    # and message_delta, whose counts are the totals, carries it.
+    cached = events.cached_tokens
     empty = Message(
         id=message_id,
         model=model,
         content=[],
         stop_reason=None,
         stop_sequence=None,
-        usage=Usage(input_tokens=0, output_tokens=0),
+        usage=Usage(
+            input_tokens=events.input_tokens - cached,
+            output_tokens=0,
+            cache_read_input_tokens=cached,
+        ),
     )
     blocks = _Blocks()
     try:

@@ -23,10 +23,10 @@ from pydantic import ValidationError
 
 from serve.api.answer import (
     Answer,
+    AnswerStream,
     ArgumentsDelta,
     CallStarted,
     ContentDelta,
-    Event,
     start_answer,
     whole_answer,
 )
@@ -322,7 +322,7 @@ def _opening(item: dict) -> dict:
 
 
 async def _events(
-    backend: Backend, draft: _Draft, events: AsyncIterator[Event], history: list[dict]
+    backend: Backend, draft: _Draft, events: AnswerStream, history: list[dict]
 ) -> AsyncIterator[str]:
     emit = _Emitter()
     output = _OpenItems(emit)

@@ -205,6 +205,11 @@ def test_usage_splits_the_prompt_into_cache_reads_and_the_rest():
     usage = created.usage
     assert (usage.input_tokens, usage.cache_read_input_tokens, usage.output_tokens) == (1, 2, 3)
     assert usage.cache_creation_input_tokens == 0
+    # A stream tells the prompt's counts in message_start already, as Anthropic's does.
+    body = {"max_tokens": 8, "messages": [{"role": "user", "content": "a b c"}]}
+    start = events(http(CachedBackend()), **body)[0]["message"]["usage"]
+    assert (start["input_tokens"], start["cache_read_input_tokens"]) == (1, 2)
+    assert start["output_tokens"] == 0
 
 
 # -- the request as a chat turn ----------------------------------------------------------
