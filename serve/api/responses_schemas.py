@@ -23,8 +23,14 @@ from pydantic import (
     model_validator,
 )
 
+from serve.api import structured
 from serve.api.schemas import Text
-from serve.api.structured import FUNCTION_NAME
+from serve.api.structured import (
+    FunctionDefinition,
+    FunctionName,
+    JSONObjectFormat,
+    TextFormat,
+)
 
 
 class _Strict(BaseModel):
@@ -137,33 +143,21 @@ InputItem = Annotated[
 # -- tools and formats -------------------------------------------------------------------
 
 
-class FunctionTool(_Strict):
+class FunctionTool(FunctionDefinition):
+    """A function tool: chat's function definition with its ``type`` beside it."""
+
     type: Literal["function"]
-    name: str = Field(pattern=FUNCTION_NAME)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # accepted; the parameters are always enforced
 
 
-class FunctionToolChoice(_Strict):
+class FunctionToolChoice(FunctionName):
     type: Literal["function"]
-    name: str
 
 
-class TextFormat(_Strict):
-    type: Literal["text"]
+class JSONSchemaFormat(structured.JSONSchemaFormat):
+    """Chat's ``json_schema`` format with its ``type`` beside it; a schema is required."""
 
-
-class JSONObjectFormat(_Strict):
-    type: Literal["json_object"]
-
-
-class JSONSchemaFormat(_Strict):
     type: Literal["json_schema"]
-    name: str = Field(pattern=FUNCTION_NAME)
     schema_: dict[str, Any] = Field(alias="schema")
-    description: str | None = None
-    strict: bool | None = None  # accepted; the schema is always enforced
 
 
 class TextConfig(_Strict):
