@@ -207,8 +207,13 @@ def test_haproxy_stops_when_the_process_that_started_it_dies(tmp_path):
         _wait_for(lambda: _listening(port), "HAProxy listening")
         starter.kill()  # SIGKILL: nothing of the starter's own runs
         starter.wait()
-        _wait_for(lambda: not _alive(haproxy), "HAProxy gone after its starter died")
-        assert not _listening(port)
+
+        def gone() -> bool:
+            # Both: HAProxy's main thread may be a zombie while its other threads
+            # still exit, holding the listener (seen once on a loaded CI machine).
+            return not _alive(haproxy) and not _listening(port)
+
+        _wait_for(gone, "HAProxy gone, its port free, after its starter died")
     finally:
         if _alive(haproxy):
             os.kill(haproxy, 9)
