@@ -10,6 +10,7 @@ Python models and clients take their tensor names from here.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,7 @@ _NUMPY_DTYPES = {
     "TYPE_INT32": np.int32,
     "TYPE_INT64": np.int64,
     "TYPE_UINT64": np.uint64,
+    "TYPE_FP16": np.float16,
     "TYPE_FP32": np.float32,
     "TYPE_BOOL": np.bool_,
 }
@@ -91,6 +93,41 @@ _GUIDED_DECODING_INPUTS = (
 )
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
 
+# TensorRT-LLM's LoRA inputs (its names, types and shapes, on the ensemble and the
+# tensorrt_llm step alike). A request names its adapter by task id; the first request
+# with an id also carries the adapter, later ones the id alone:
+# - lora_weights [module-layers, D*Hi + Ho*D]: per row the in weights [D, Hi] flattened,
+#   then the out weights [Ho, D] flattened and already scaled by alpha / D, zero-padded
+#   to the longest row (D: the adapter's rank, Hi/Ho: the module's in and out sizes);
+# - lora_config [module-layers, 3]: LORA_MODULE_IDS[module], layer index, D.
+# An engine that does not hold the id answers lora_cache_miss(id); the caller resends
+# the request with the weights (tritonllm/lora.py converts a PEFT adapter).
+_LORA_INPUTS = (
+    _opt("lora_task_id", "UINT64", 1),
+    _opt("lora_weights", "FP16", -1, -1),
+    _opt("lora_config", "INT32", -1, 3),
+)
+
+# TensorRT-LLM's module ids (tensorrt_llm.lora_manager.LoraManager.LORA_MODULE_IDS).
+LORA_MODULE_IDS = {
+    "attn_qkv": 0,
+    "attn_q": 1,
+    "attn_k": 2,
+    "attn_v": 3,
+    "attn_dense": 4,
+    "mlp_h_to_4h": 5,
+    "mlp_4h_to_h": 6,
+    "mlp_gate": 7,
+}
+
+
+def lora_cache_miss(task_id: int) -> str:
+    """TensorRT-LLM's own words for a task id it does not hold (the caller matches them)."""
+    return f"LoRA task {task_id} not found in cache. Please send LoRA weights with request"
+
+
+LORA_CACHE_MISS = re.compile(r"LoRA task ([0-9]+) not found in cache")
+
 ENSEMBLE_INPUTS = (
     _t("text_input", "STRING", 1),
     _t("max_tokens", "INT32", 1),
@@ -125,6 +162,8 @@ ENSEMBLE_INPUTS = (
     # GUIDE_TYPES and the guide's text (a JSON Schema, a regex, an EBNF grammar, an
     # XGrammar structural tag; nothing for "json"). Straight to the tensorrt_llm step.
     *_GUIDED_DECODING_INPUTS,
+    # LoRA adapters, as TensorRT-LLM's backends take them: straight to tensorrt_llm.
+    *_LORA_INPUTS,
     *_ENGINE_EXTENSION_INPUTS,
 )
 
@@ -192,6 +231,7 @@ TENSORRT_LLM_INPUTS = (
     _opt("embedding_bias", "FP32", -1),
     _opt("stop", "BOOL", 1),
     *_GUIDED_DECODING_INPUTS,
+    *_LORA_INPUTS,
     *_ENGINE_EXTENSION_INPUTS,
 )
 
