@@ -95,21 +95,35 @@ def test_ensemble_wiring_uses_real_tensor_names(configs):
     assert {t.name for t in contract.ENSEMBLE_OUTPUTS} <= produced
 
 
-def test_guided_decoding_goes_straight_to_the_engine(configs):
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        {
+            "guided_decoding_guide_type": ("TYPE_STRING", (1,)),
+            "guided_decoding_guide": ("TYPE_STRING", (1,)),
+        },
+        {
+            "lora_task_id": ("TYPE_UINT64", (1,)),
+            "lora_weights": ("TYPE_FP16", (-1, -1)),
+            "lora_config": ("TYPE_INT32", (-1, 3)),
+        },
+    ],
+    ids=["guided_decoding", "lora"],
+)
+def test_upstream_request_tensors_go_straight_to_the_engine(configs, tensors):
     ensemble = configs[contract.ENSEMBLE]
-    names = ("guided_decoding_guide_type", "guided_decoding_guide")
     engine_step = next(
         s for s in ensemble.ensemble_scheduling.step if s.model_name == contract.TENSORRT_LLM
     )
-    for name in names:
+    for name, (dtype, dims) in tensors.items():
         assert engine_step.input_map[name] == name
         for model in (contract.ENSEMBLE, contract.TENSORRT_LLM):
             spec = contract.tensor(model, name)
-            assert (spec.triton_dtype, spec.dims, spec.optional) == ("TYPE_STRING", (1,), True)
+            assert (spec.triton_dtype, spec.dims, spec.optional) == (dtype, dims, True)
             assert not spec.engine_extension  # TensorRT-LLM's backends take them
     for step in ensemble.ensemble_scheduling.step:
         if step.model_name != contract.TENSORRT_LLM:
-            assert not set(names) & set(step.input_map.values())
+            assert not set(tensors) & set(step.input_map.values())
 
 
 def test_the_embeddings_model_batches_and_names_its_weights(configs):

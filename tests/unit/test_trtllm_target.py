@@ -30,6 +30,7 @@ from build_engines.targets.trtllm_engine import (
     load_settings,
 )
 from build_engines.trtllm_convert import parse_args as parse_convert_args
+from build_engines.trtllm_lora import LoraSettings
 from build_engines.trtllm_settings import (
     SettingsError,
     TrtllmSettings,
@@ -70,6 +71,9 @@ UPSTREAM_TENSORS = {
     "streaming": ("TYPE_BOOL", (1,), R),
     "guided_decoding_guide_type": ("TYPE_STRING", (1,), None),
     "guided_decoding_guide": ("TYPE_STRING", (1,), None),
+    "lora_task_id": ("TYPE_UINT64", (1,), R),
+    "lora_weights": ("TYPE_FP16", (-1, -1), G),
+    "lora_config": ("TYPE_INT32", (-1, 3), G),
     "output_ids": ("TYPE_INT32", (-1, -1), None),
     "sequence_length": ("TYPE_INT32", (-1,), None),
     "cum_log_probs": ("TYPE_FP32", (-1,), None),
@@ -94,7 +98,30 @@ TRTLLM_BUILD_FLAGS = {
     "--use_paged_context_fmha": _SWITCH,
     "--gemm_plugin": {"auto", "float16", "float32", "bfloat16", "int32", "fp8", "nvfp4", "disable"},
     "--gpt_attention_plugin": {"auto", "float16", "float32", "bfloat16", "int32", "disable"},
+    # LoRA: the plugin is a dtype plugin; the modules are LoraManager.LORA_MODULE_IDS.
+    "--lora_plugin": {"auto", "float16", "float32", "bfloat16", "disable"},
+    "--lora_target_modules": set(contract.LORA_MODULE_IDS),
+    "--max_lora_rank": int,
 }
+
+
+def parse_build(command: list[str]) -> dict[str, str | list[str]]:
+    """trtllm-build's arguments as its parser reads them (``--lora_target_modules``
+    takes several values, nargs='+'); a flag given twice is an error."""
+    assert command[0] == "trtllm-build"
+    args: dict[str, str | list[str]] = {}
+    flag = None
+    for word in command[1:]:
+        if word.startswith("--"):
+            assert word not in args, f"{word} appears twice"
+            flag, args[word] = word, []
+        else:
+            args[flag].append(word)
+    for name, values in args.items():
+        many = name == "--lora_target_modules"
+        assert len(values) >= 1 if many else len(values) == 1, (name, values)
+        args[name] = values if many else values[0]
+    return args
 
 
 @pytest.fixture
@@ -193,15 +220,13 @@ def test_the_xgrammar_tokenizer_info_is_what_xgrammar_reads(tmp_path, checkpoint
 def test_build_command_uses_only_documented_flags():
     settings = TrtllmSettings(enable_chunked_context=True, gemm_plugin="bfloat16")
     command = build_command(settings, Path("/ckpt"), Path("/engine"))
-    assert command[0] == "trtllm-build"
-    pairs = dict(zip(command[1::2], command[2::2], strict=True))
-    assert len(pairs) == len(command[1:]) // 2, "a flag appears twice"
+    pairs = parse_build(command)
     for flag, value in pairs.items():
         allowed = TRTLLM_BUILD_FLAGS[flag]
         if allowed is int:
             assert int(value) > 0
         elif isinstance(allowed, set):
-            assert value in allowed, (flag, value)
+            assert set(value if isinstance(value, list) else [value]) <= allowed, (flag, value)
     assert pairs["--checkpoint_dir"] == "/ckpt" and pairs["--output_dir"] == "/engine"
     assert pairs["--kv_cache_type"] == "paged" and pairs["--remove_input_padding"] == "enable"
     assert pairs["--max_seq_len"] == "4096" and pairs["--use_paged_context_fmha"] == "enable"
@@ -272,6 +297,16 @@ def engine_config(settings: TrtllmSettings, version: str) -> dict:
                 "remove_input_padding": True,
                 "context_fmha": True,
                 "use_paged_context_fmha": settings.paged_context_fmha,
+                "lora_plugin": "float16" if settings.lora else None,
+            },
+            # BuildConfig.lora_config (tensorrt_llm.lora_manager.LoraConfig), as
+            # build_model sets it from --max_lora_rank and --lora_target_modules.
+            "lora_config": {
+                "lora_dir": [],
+                "lora_ckpt_source": "hf",
+                "max_lora_rank": settings.lora.max_rank if settings.lora else 64,
+                "lora_target_modules": list(settings.lora.target_modules) if settings.lora else [],
+                "trtllm_modules_to_hf_modules": {},
             },
         },
     }
@@ -296,8 +331,7 @@ def test_engine_mismatch_reads_the_engines_own_config(tmp_path):
 def test_kv_cache_block_reuse_is_on_by_default_with_what_the_engine_build_needs(repo):
     settings = TrtllmSettings.load()  # build_engines/trtllm.yaml
     assert settings.enable_kv_cache_reuse and settings.context_fmha
-    command = build_command(settings, Path("/ckpt"), Path("/engine"))
-    pairs = dict(zip(command[1::2], command[2::2], strict=True))
+    pairs = parse_build(build_command(settings, Path("/ckpt"), Path("/engine")))
     assert pairs["--use_paged_context_fmha"] == "enable" and pairs["--kv_cache_type"] == "paged"
     fill_configs(settings, repo)
     params = parse_config(repo, contract.TENSORRT_LLM).parameters
@@ -319,8 +353,14 @@ class FakeTrtllmBuild:
     def __call__(self, command: list[str]) -> None:
         self.commands.append(command)
         if command[0] == "trtllm-build":
-            args = dict(zip(command[1::2], command[2::2], strict=True))
-            settings = TrtllmSettings(max_batch_size=int(args["--max_batch_size"]))
+            args = parse_build(command)
+            lora = None
+            if "--lora_plugin" in args:
+                lora = LoraSettings(
+                    max_rank=int(args["--max_lora_rank"]),
+                    target_modules=tuple(args["--lora_target_modules"]),
+                )
+            settings = TrtllmSettings(max_batch_size=int(args["--max_batch_size"]), lora=lora)
             out = Path(args["--output_dir"])
             (out / "config.json").write_text(json.dumps(engine_config(settings, self.version)))
             (out / "rank0.engine").write_bytes(b"plan")
