@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from build_engines.trtllm_lora import LoraSettings, LoraSettingsError
+
 DEFAULT_CONFIG = Path(__file__).with_name("trtllm.yaml")
 
 # Build settings: a change means a new engine. The rest only refill config.pbtxt.
@@ -52,6 +54,9 @@ class SettingsError(ValueError):
     pass
 
 
+_DEFAULT_LORA = LoraSettings()
+
+
 @dataclass(frozen=True)
 class TrtllmSettings:
     dtype: str = "auto"
@@ -75,6 +80,8 @@ class TrtllmSettings:
     enable_kv_cache_reuse: bool = True
     enable_chunked_context: bool = False
     exclude_input_in_output: bool = False
+    # LoRA adapters (build_engines/trtllm_lora.py); None: the engine takes none.
+    lora: LoraSettings | None = _DEFAULT_LORA
 
     @classmethod
     def load(cls, path: Path | None = None, overrides: dict | None = None) -> TrtllmSettings:
@@ -96,7 +103,15 @@ class TrtllmSettings:
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise SettingsError(f"{source}: unknown setting(s) {', '.join(unknown)}")
+        values = dict(values)
+        if "lora" in values and not isinstance(values["lora"], LoraSettings):
+            try:
+                values["lora"] = LoraSettings.from_value(values["lora"], source)
+            except LoraSettingsError as error:
+                raise SettingsError(str(error)) from None
         for name, value in values.items():
+            if name == "lora":
+                continue
             if not _is_type(value, known[name]):
                 raise SettingsError(f"{source}: {name} must be a {known[name]}, not {value!r}")
         settings = cls(**values)
@@ -170,6 +185,17 @@ class TrtllmSettings:
         return {
             **{name: getattr(self, name) for name in BUILD_FIELDS},
             "paged_context_fmha": self.paged_context_fmha,
+            "lora": self.lora.build_settings() if self.lora else None,
+        }
+
+    def template_flags(self) -> dict[str, str]:
+        """The flat settings as config.pbtxt template values (booleans lower-case)."""
+        return {
+            f.name: str(getattr(self, f.name)).lower()
+            if isinstance(getattr(self, f.name), bool)
+            else getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "lora"
         }
 
 
@@ -238,6 +264,8 @@ def build_command(settings: TrtllmSettings, checkpoint_dir: Path, engine_dir: Pa
         command += ["--max_seq_len", str(settings.max_seq_len)]
     if settings.paged_context_fmha:
         command += ["--use_paged_context_fmha", "enable"]
+    if settings.lora is not None:
+        command += settings.lora.build_flags()
     return command
 
 
@@ -293,6 +321,10 @@ def _plugin_and_mapping_mismatch(build: dict, pretrained: dict, settings: Trtllm
             return f"engine {key} is {mapping.get(key, 1)}, the config says {value}"
     if settings.dtype != "auto" and pretrained.get("dtype") != settings.dtype:
         return f"engine dtype is {pretrained.get('dtype')}, the config says {settings.dtype}"
+    if settings.lora is not None:
+        return settings.lora.engine_mismatch(build)
+    if plugins.get("lora_plugin"):
+        return "engine built with the LoRA plugin, the config has lora: null"
     return None
 
 
@@ -333,4 +365,6 @@ def llm_api_options(settings: TrtllmSettings) -> dict:
     }
     if settings.max_seq_len:  # else the model's context length
         options["max_seq_len"] = settings.max_seq_len
+    if settings.lora is not None:
+        options["lora_config"] = settings.lora.llm_api_config()
     return options

@@ -11,7 +11,6 @@ installed TensorRT-LLM version (``FORCE=1`` rebuilds).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import re
 import shutil
@@ -31,6 +30,7 @@ from build_engines.targets.torch_engine import (
     tokenizer_step_values,
     validate_checkpoint,
 )
+from build_engines.trtllm_lora import render_backend_parameters
 from build_engines.trtllm_settings import (
     CLI_OVERRIDES,
     SettingsError,
@@ -225,10 +225,7 @@ def fill_configs(
     pre/postprocessing's dynamic batching)."""
     tokenizer_dir = repo.engine_version_dir / TOKENIZER_DIR
     tokenizer_ref = repo.reference(tokenizer_dir)
-    flags = {
-        k: str(v).lower() if isinstance(v, bool) else v
-        for k, v in dataclasses.asdict(settings).items()
-    }
+    flags = settings.template_flags()
     flags["triton_max_batch_size"] = settings.triton_batch
     steps = tokenizer_step_values(
         settings.triton_batch, batching or DynamicBatching(), tokenizer_ref, preprocessing_instances
@@ -242,6 +239,7 @@ def fill_configs(
             "tokenizer_dir": str(tokenizer_dir),
             "guided_decoding_backend": "xgrammar",
             "xgrammar_tokenizer_info_path": str(tokenizer_dir / XGRAMMAR_TOKENIZER_INFO),
+            "lora_parameters": render_backend_parameters(settings.lora),
         },
     }
     for model, model_values in values.items():

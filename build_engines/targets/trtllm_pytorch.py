@@ -15,7 +15,6 @@ holding an engine: the serving containers mount only the repositories.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import time
 from collections.abc import Callable
@@ -127,10 +126,7 @@ def fill_configs(
     """The four configs: pre/postprocessing read the checkpoint's tokenizer, the
     tensorrt_llm model is the LLM API adapter over the same checkpoint."""
     common = {"triton_max_batch_size": settings.triton_batch}
-    flags = {
-        k: str(v).lower() if isinstance(v, bool) else v
-        for k, v in dataclasses.asdict(settings).items()
-    }
+    flags = settings.template_flags()
     steps = tokenizer_step_values(
         settings.triton_batch,
         batching or DynamicBatching(),

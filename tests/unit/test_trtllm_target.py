@@ -40,6 +40,7 @@ from build_engines.trtllm_settings import (
 )
 from tests.conftest import REPOSITORY
 from tritonllm import contract
+from tritonllm.lora import HF_TO_TRTLLM_MODULES
 
 DTYPES = {v: k for k, v in model_config_pb2.DataType.items()}
 R, G = "reshape", "ragged"  # reshape: { shape: [ ] } / allow_ragged_batch: true
@@ -417,3 +418,111 @@ def test_a_checkpoint_inside_the_engine_folder_is_refused(repo, checkpoint_dir):
 def test_unavailable_here_names_the_image():
     reason = TrtllmTarget().unavailable_reason()
     assert reason is not None and "nvcr.io/nvidia/tritonserver" in reason
+
+
+# -- LoRA --------------------------------------------------------------------------------
+# NVIDIA's tensorrtllm backend reads these four parameters for its adapter cache
+# (getPeftCacheConfigFromParams in inflight_batcher_llm/src/model_instance_state.cc;
+# documented in tensorrtllm_backend's docs/lora.md with the defaults 8, 64, 0.05, 1 GiB).
+LORA_CACHE_PARAMETERS = {
+    "lora_cache_optimal_adapter_size": int,
+    "lora_cache_max_adapter_size": int,
+    "lora_cache_gpu_memory_fraction": float,
+    "lora_cache_host_memory_bytes": int,
+}
+
+
+def test_the_shipped_config_builds_with_lora_on_every_module_a_peft_adapter_packs_into():
+    settings = TrtllmSettings.load()
+    args = parse_build(build_command(settings, Path("/ckpt"), Path("/engine")))
+    assert args["--lora_plugin"] == "auto" and args["--max_lora_rank"] == "64"
+    # Every module tritonllm.lora packs a PEFT adapter into, and nothing else.
+    assert sorted(args["--lora_target_modules"]) == sorted(HF_TO_TRTLLM_MODULES.values())
+    off = TrtllmSettings.from_dict({"lora": None})
+    assert not {"--lora_plugin", "--lora_target_modules", "--max_lora_rank"} & set(
+        parse_build(build_command(off, Path("/ckpt"), Path("/engine")))
+    )
+    small = TrtllmSettings.from_dict({"lora": {"max_rank": 16, "target_modules": ["attn_q"]}})
+    args = parse_build(build_command(small, Path("/ckpt"), Path("/engine")))
+    assert (args["--max_lora_rank"], args["--lora_target_modules"]) == ("16", ["attn_q"])
+    assert small.lora.max_loras == LoraSettings().max_loras  # the rest keep their defaults
+
+
+def test_the_backends_lora_cache_parameters_are_filled_from_the_lora_section(repo):
+    lora = {"max_rank": 32, "cache_gpu_memory_fraction": 0.1, "cache_host_memory_bytes": 1 << 28}
+    fill_configs(TrtllmSettings.from_dict({"lora": lora}), repo)
+    trt = parse_config(repo, contract.TENSORRT_LLM)
+    params = {k: v.string_value for k, v in trt.parameters.items()}
+    values = {k: cast(params[k]) for k, cast in LORA_CACHE_PARAMETERS.items()}
+    assert values == {
+        "lora_cache_optimal_adapter_size": 8,
+        "lora_cache_max_adapter_size": 32,  # a cache page fits a row of the largest rank
+        "lora_cache_gpu_memory_fraction": 0.1,
+        "lora_cache_host_memory_bytes": 1 << 28,
+    }
+    inputs = {t.name: t for t in trt.input}  # the contract's LoRA inputs, as upstream's
+    for name in ("lora_task_id", "lora_weights", "lora_config"):
+        dtype, dims, _ = UPSTREAM_TENSORS[name]
+        assert (DTYPES[inputs[name].data_type], tuple(inputs[name].dims)) == (dtype, dims)
+        assert inputs[name].optional
+    fill_configs(TrtllmSettings(lora=None), repo)
+    params = parse_config(repo, contract.TENSORRT_LLM).parameters
+    assert not set(LORA_CACHE_PARAMETERS) & set(params)
+
+
+@pytest.mark.parametrize(
+    ("lora", "message"),
+    [
+        ([64], "lora must be a mapping or null"),
+        ({"max_ranks": 8}, "unknown lora setting"),
+        ({"max_rank": 0}, "max_rank must be >= 1"),
+        ({"max_rank": "64"}, "lora.max_rank must be a number"),
+        ({"target_modules": ["attn_qkv"]}, "attn_qkv.*name some of attn_q"),
+        ({"target_modules": []}, "name some of"),
+        ({"target_modules": ["attn_q", "attn_q"]}, "twice"),
+        ({"target_modules": "attn_q"}, "list of names"),
+        ({"max_rank": 4}, r"cache_optimal_adapter_size must be in 1..max_rank \(4\)"),
+        ({"cache_gpu_memory_fraction": 0}, r"\(0, 1\]"),
+        ({"max_loras": 8, "max_cpu_loras": 4}, "at most max_cpu_loras"),
+    ],
+)
+def test_bad_lora_settings_are_named(lora, message):
+    with pytest.raises(SettingsError, match=message):
+        TrtllmSettings.from_dict({"lora": lora})
+
+
+def test_an_engine_is_rebuilt_when_its_lora_build_settings_change(tmp_path):
+    settings = TrtllmSettings()
+    (tmp_path / "config.json").write_text(json.dumps(engine_config(settings, "1.2.1")))
+    (tmp_path / "rank0.engine").write_bytes(b"plan")
+    assert engine_mismatch(tmp_path, settings, "1.2.1") is None
+    rank8 = TrtllmSettings.from_dict({"lora": {"max_rank": 8}})
+    assert "max_lora_rank is 64, the config says 8" in engine_mismatch(tmp_path, rank8, "1.2.1")
+    attention = TrtllmSettings.from_dict({"lora": {"target_modules": ["attn_q", "attn_v"]}})
+    assert "lora_target_modules are" in engine_mismatch(tmp_path, attention, "1.2.1")
+    off = TrtllmSettings(lora=None)
+    assert "with the LoRA plugin" in engine_mismatch(tmp_path, off, "1.2.1")
+    (tmp_path / "config.json").write_text(json.dumps(engine_config(off, "1.2.1")))
+    assert "without the LoRA plugin" in engine_mismatch(tmp_path, settings, "1.2.1")
+
+
+def test_lora_cache_settings_refill_configs_and_rank_settings_rebuild(
+    repo, checkpoint_dir, tmp_path
+):
+    fake = FakeTrtllmBuild()
+    target = TrtllmTarget(run=fake, version=lambda: fake.version)
+
+    def builds(lora: dict) -> int:
+        config = tmp_path / "trtllm.yaml"
+        config.write_text(json.dumps({"lora": lora}))  # JSON is YAML
+        before = len(fake.commands)
+        target.build(BuildSpec(model=checkpoint_dir, trtllm_config=config), repo, Quiet())
+        return (len(fake.commands) - before) // 2
+
+    assert builds({}) == 1
+    assert builds({"cache_gpu_memory_fraction": 0.2, "max_loras": 4}) == 0  # serving only
+    params = parse_config(repo, contract.TENSORRT_LLM).parameters
+    assert params["lora_cache_gpu_memory_fraction"].string_value == "0.2"
+    assert builds({"max_rank": 16}) == 1
+    assert builds({"max_rank": 16}) == 0
+    assert parse_build(fake.commands[-1])["--max_lora_rank"] == "16"
