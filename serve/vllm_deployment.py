@@ -41,6 +41,61 @@ def llm_config(model: ModelConfig, deployment: dict[str, Any]) -> dict[str, Any]
     }
 
 
+# Where Ray Serve LLM's LoraConfig downloads adapters from (its validator refuses others).
+REMOTE_SCHEMES = ("s3://", "gs://", "abfss://", "azure://")
+# The max_lora_rank values vLLM takes (vllm/config/lora.py MaxLoRARanks, 0.29).
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(max_lora_rank: int) -> int:
+    """The least rank vLLM takes that holds ``max_lora_rank`` (a bound, not a size:
+    adapters above ``max_lora_rank`` are refused before they reach vLLM)."""
+    for rank in VLLM_MAX_LORA_RANKS:
+        if rank >= max_lora_rank:
+            return rank
+    raise ValueError(f"max_lora_rank {max_lora_rank} is above vLLM's largest, 512")
+
+
+def lora_llm_config(
+    given: dict[str, Any],
+    dynamic_lora_loading_path: str,
+    max_num_adapters_per_replica: int,
+    max_lora_rank: int,
+) -> dict[str, Any]:
+    """``given`` (an ``LLMConfig`` dict) with a model's ``lora:`` section on Ray Serve
+    LLM's terms: its ``lora_config`` (adapters found under the path at request time,
+    ``<model id>:<adapter>`` naming the adapter's folder, as many cached per replica)
+    and vLLM's ``engine_kwargs`` (``enable_lora``, ``max_lora_rank`` rounded up to a
+    rank vLLM takes, and ``max_loras``: every cached adapter may run in one batch unless
+    ``engine_kwargs`` says fewer)."""
+    if not dynamic_lora_loading_path.startswith(REMOTE_SCHEMES):
+        raise ValueError(
+            f"lora.dynamic_lora_loading_path {dynamic_lora_loading_path!r}: Ray Serve LLM "
+            f"loads vLLM's adapters from {', '.join(REMOTE_SCHEMES)} URLs only (its "
+            "LoraConfig); serve a local adapter directory with engine: triton"
+        )
+    if given.get("lora_config") is not None:
+        raise ValueError(
+            "set lora: or vllm.llm_config.lora_config, not both (lora: fills the latter)"
+        )
+    engine_kwargs = dict(given.get("engine_kwargs") or {})
+    rank = vllm_max_lora_rank(max_lora_rank)
+    for key, value in (("enable_lora", True), ("max_lora_rank", rank)):
+        if engine_kwargs.setdefault(key, value) != value:
+            raise ValueError(
+                f"vllm.llm_config.engine_kwargs.{key} is {engine_kwargs[key]!r}, lora: "
+                f"makes it {value!r}: leave it out of engine_kwargs"
+            )
+    engine_kwargs.setdefault("max_loras", max_num_adapters_per_replica)
+    return given | {
+        "lora_config": {
+            "dynamic_lora_loading_path": dynamic_lora_loading_path.rstrip("/"),
+            "max_num_adapters_per_replica": max_num_adapters_per_replica,
+        },
+        "engine_kwargs": engine_kwargs,
+    }
+
+
 def build(model: ModelConfig, deployment: dict[str, Any]):
     """The bound deployment of ``model`` (``deployment``: its Serve options as
     :func:`serve.app.replica_options` makes them for a Triton model)."""

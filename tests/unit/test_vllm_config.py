@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from serve.config import ROOT, AppConfig, ModelConfig
 from serve.generation import GenerateParams, GenerationChunk, PromptLogProbs, TopLogProbs
-from serve.vllm_deployment import llm_config
+from serve.vllm_deployment import llm_config, lora_llm_config, vllm_max_lora_rank
 from serve.vllm_params import ChunkReader, sampling_kwargs
 
 
@@ -299,3 +299,50 @@ def test_every_chunk_carries_the_prefix_caches_share_of_the_prompt():
     assert chunks[-1].finish_reason == "length"
     # vLLM's None (no prefill stats): none cached.
     assert reader(delta(2, EOS, None, "", num_cached_tokens=None)).num_cached_tokens == 0
+
+
+# -- LoRA: a model's lora: section as Ray Serve LLM's lora_config --------------------------
+
+
+def test_lora_becomes_ray_serve_llms_lora_config_and_vllms_engine_kwargs():
+    given = {"engine_kwargs": {"dtype": "float32"}, "accelerator_config": {"kind": "cpu"}}
+    config = lora_llm_config(given, "s3://bucket/adapters/", 16, 64)
+    assert config["lora_config"] == {
+        "dynamic_lora_loading_path": "s3://bucket/adapters",
+        "max_num_adapters_per_replica": 16,
+    }
+    assert config["engine_kwargs"] == {
+        "dtype": "float32",
+        "enable_lora": True,
+        "max_lora_rank": 64,
+        "max_loras": 16,  # every adapter a replica caches may share a batch
+    }
+    assert config["accelerator_config"] == {"kind": "cpu"} and given["engine_kwargs"] == {
+        "dtype": "float32"
+    }  # the given dict is left as it was
+    fewer = lora_llm_config({"engine_kwargs": {"max_loras": 4}}, "gs://b/a", 16, 64)
+    assert fewer["engine_kwargs"]["max_loras"] == 4  # GPU memory: a smaller batch of adapters
+
+
+@pytest.mark.parametrize(
+    ("rank", "vllm_rank"), [(1, 1), (4, 8), (8, 8), (48, 64), (64, 64), (200, 256)]
+)
+def test_the_rank_bound_is_rounded_up_to_one_vllm_takes(rank, vllm_rank):
+    assert vllm_max_lora_rank(rank) == vllm_rank
+    config = lora_llm_config({}, "s3://b/a", 2, rank)
+    assert config["engine_kwargs"]["max_lora_rank"] == vllm_rank
+
+
+@pytest.mark.parametrize(
+    ("given", "path", "message"),
+    [
+        ({}, "/data/adapters", "s3://, gs://, abfss://, azure:// URLs only"),
+        ({}, "adapters", "serve a local adapter directory with engine: triton"),
+        ({"lora_config": {"max_num_adapters_per_replica": 2}}, "s3://b/a", "not both"),
+        ({"engine_kwargs": {"enable_lora": False}}, "s3://b/a", "engine_kwargs.enable_lora"),
+        ({"engine_kwargs": {"max_lora_rank": 8}}, "s3://b/a", "max_lora_rank is 8"),
+    ],
+)
+def test_lora_settings_ray_serve_llm_or_vllm_would_refuse_are_named(given, path, message):
+    with pytest.raises(ValueError, match=message):
+        lora_llm_config(given, path, 16, 64)
