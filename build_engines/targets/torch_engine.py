@@ -27,6 +27,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 # mix shapes (stop words of different lengths, streamed and whole token batches).
 RAGGED = (contract.PREPROCESSING, contract.POSTPROCESSING)
 
+# The torch engine's LoRA adapters: TensorRT-LLM's max_lora_rank default, and an adapter
+# cache that holds ~50 adapters of rank 64 on all 7 projections of the default model.
+MAX_LORA_RANK = 64
+LORA_CACHE_HOST_MEMORY_BYTES = 256 * 2**20
+
 
 class CheckpointError(ValueError):
     pass
@@ -181,5 +186,7 @@ def config_values(o: EngineOptions, checkpoint_ref: str, engine: str = "torch") 
             "engine": engine,
             "null_step_ms": o.null_step_ms,
             "null_answer_tokens": 0,
+            "max_lora_rank": MAX_LORA_RANK,
+            "lora_cache_host_memory_bytes": LORA_CACHE_HOST_MEMORY_BYTES,
         },
     }

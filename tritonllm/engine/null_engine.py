@@ -68,11 +68,14 @@ class NullRunner:
         prompts: list[list[int]],
         starts=None,
         every_position: bool = False,
+        adapters=None,  # always None: the null engine serves no adapters
     ) -> list[None]:
         time.sleep(self.step_s)
         return [None] * len(prompts)
 
-    def decode(self, cache: NullCache, token_ids: list[int], positions: list[int]) -> list[None]:
+    def decode(
+        self, cache: NullCache, token_ids: list[int], positions: list[int], adapters=None
+    ) -> list[None]:
         time.sleep(self.step_s)
         return [None] * len(token_ids)
 

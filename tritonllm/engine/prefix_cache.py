@@ -18,19 +18,23 @@ A block's key is ``(parent id, its tokens)``: the parent's id stands for the who
 prefix before it, so equal keys mean equal prefixes, as a chained hash does, but with
 no collision to fear (the dict compares the tokens themselves). Ids are never reused,
 so the children of an evicted block can no longer be reached and age out in turn.
+A first block's parent is its chain's root: ``ROOT`` for the base model, a LoRA
+adapter's own root for its requests, whose keys and values differ from the base's
+for the same tokens (TensorRT-LLM keys its block reuse by the LoRA task id too).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
 from tritonllm.engine.kv_cache import SlotKVCache
 
-_ROOT = 0  # the parent id of a sequence's first block
+ROOT = 0  # the parent id of a first block of the base model's sequences
 
 
 @dataclass
@@ -56,7 +60,7 @@ class PrefixCache:
         self._values = [cache.new_empty(shape) for _ in range(cache.num_layers)]
         self._blocks: OrderedDict[tuple, _Block] = OrderedDict()  # least recent first
         self._free = list(range(num_blocks))
-        self._uids = itertools.count(_ROOT + 1)
+        self._uids = itertools.count(ROOT + 1)
 
     @classmethod
     def for_budget(cls, cache: SlotKVCache, budget_mb: float, block_size: int = 16):
@@ -68,11 +72,12 @@ class PrefixCache:
     def cached_blocks(self) -> int:
         return len(self._blocks)
 
-    def match(self, tokens: list[int]) -> list[_Block]:
-        """The cached blocks of the longest cached prefix of ``tokens``, leaving the last
-        token out (its logits are the prefill's point), and marks them recently used."""
+    def match(self, tokens: list[int], root: Hashable = ROOT) -> list[_Block]:
+        """The cached blocks of the longest cached prefix of ``tokens`` under ``root``,
+        leaving the last token out (its logits are the prefill's point), and marks them
+        recently used."""
         chain = []
-        parent = _ROOT
+        parent = root
         for block_tokens in self._split(tokens[:-1]):
             block = self._blocks.get((parent, block_tokens))
             if block is None:
@@ -96,11 +101,12 @@ class PrefixCache:
         return length
 
     @torch.inference_mode()
-    def save(self, cache: SlotKVCache, slot: int, tokens: list[int]) -> None:
-        """Add the full blocks of ``tokens``, whose keys and values are columns
-        ``[0, len(tokens))`` of ``slot``; blocks already cached are only marked used."""
+    def save(self, cache: SlotKVCache, slot: int, tokens: list[int], root: Hashable = ROOT) -> None:
+        """Add the full blocks of ``tokens`` under ``root``, whose keys and values are
+        columns ``[0, len(tokens))`` of ``slot``; blocks already cached are only marked
+        used."""
         chain, new = [], []
-        parent = _ROOT
+        parent = root
         for position, block_tokens in enumerate(self._split(tokens)):
             key = (parent, block_tokens)
             block = self._blocks.get(key)

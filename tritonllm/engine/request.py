@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from tritonllm.contract import MAX_TOP_LOG_PROBS
 from tritonllm.engine.sampling import SamplingParams
 from tritonllm.guided import check_guide
+from tritonllm.lora import LoraTensors
 from tritonllm.tokenization import InvalidRequest
 
 
@@ -28,6 +29,10 @@ class GenerationRequest:
     # tritonllm.contract.GUIDE_TYPES, or None for none; the guide's text.
     guide_type: str | None = None
     guide: str = ""
+    # LoRA (TensorRT-LLM's lora_task_id): the adapter's id, and its weights
+    # (lora_weights, lora_config) when the engine may not hold it yet.
+    lora_task_id: int | None = None
+    lora: LoraTensors | None = field(default=None, compare=False, repr=False)
 
     def validate(self, max_seq_len: int, vocab_size: int) -> None:
         """Reject what cannot be served, naming the limit (before any compute)."""
@@ -47,6 +52,11 @@ class GenerationRequest:
         if biased:
             raise InvalidRequest(
                 f"embedding_bias is longer than the vocabulary ({vocab_size} tokens)"
+            )
+        if self.lora is not None and self.lora_task_id is None:
+            raise InvalidRequest(
+                "lora_weights and lora_config came without lora_task_id: "
+                "send the adapter's task id with its weights"
             )
         if self.guide_type is not None:
             check_guide(self.guide_type, self.guide)  # the grammar itself: at compilation

@@ -33,11 +33,14 @@ from typing import Protocol
 import torch
 
 from tritonllm import guided
+from tritonllm.engine.lora import Adapter, LoraCacheFull
 from tritonllm.engine.null_engine import NullRunner
+from tritonllm.engine.prefix_cache import ROOT
 from tritonllm.engine.request import GenerationRequest
 from tritonllm.engine.runner import CausalLMRunner
 from tritonllm.engine.sampling import TokenLogProbs, TokenSampler, log_probs
 from tritonllm.guided import GuideCompiler
+from tritonllm.lora import AdapterError
 from tritonllm.tokenization import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -138,6 +141,7 @@ class Sequence:
     sent: int = 0  # generated tokens already streamed
     answered: bool = False  # its first response is out
     ended_by_end_id: bool = False  # the end token came (counted, not returned)
+    adapter: Adapter | None = None  # its LoRA adapter, held from submit until it leaves
 
     @property
     def request_id(self) -> str:
@@ -151,6 +155,11 @@ class Sequence:
     @property
     def uncached(self) -> int:
         return len(self.history) - self.cached
+
+    @property
+    def prefix_root(self):
+        """Its chain in the prefix cache: a prefix's keys and values are its adapter's."""
+        return ROOT if self.adapter is None else self.adapter.prefix_root
 
 
 class Engine:
@@ -169,6 +178,8 @@ class Engine:
         prefix_block_size: int = 16,
         enable_chunked_context: bool = False,
         guide_compiler: GuideCompiler | None = None,
+        max_lora_rank: int = 64,
+        lora_cache_bytes: int = 256 * 2**20,
     ):
         self.runner = runner
         # torch's intra-op thread count is per OS thread (a thread started inside
@@ -196,6 +207,13 @@ class Engine:
             if prefix_cache_mb > 0
             else None
         )
+        # LoRA adapters (TensorRT-LLM's max_lora_rank, lora_cache_host_memory_bytes);
+        # None: a runner that serves none (the null engine).
+        self._adapters = (
+            runner.new_adapter_cache(max_lora_rank, lora_cache_bytes)
+            if hasattr(runner, "new_adapter_cache")
+            else None
+        )
         self._pending: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # _running[i].slot == i between steps
         # Ids queued or running (counted: clients may reuse one), so cancel() cannot leak.
@@ -221,9 +239,12 @@ class Engine:
                 f"prompt of {len(request.input_ids)} tokens exceeds the engine's max_num_tokens "
                 f"({self.max_num_tokens} per step, chunked context off); shorten the prompt"
             )
-        seq = Sequence(request, sink, self._sampler(request), history=list(request.input_ids))
+        sampler = self._sampler(request)
+        adapter = self._acquire_adapter(request)
+        seq = Sequence(request, sink, sampler, history=list(request.input_ids), adapter=adapter)
         with self._lock:
             if len(self._pending) >= self.max_queue_size:
+                self._release_adapter(seq)
                 raise EngineBusy(
                     f"engine queue is full ({self.max_queue_size} requests waiting); retry later"
                 )
@@ -261,6 +282,30 @@ class Engine:
         compiled = compiler.compile(request.guide_type, request.guide)
         matcher = compiler.matcher(compiled, request.end_id)
         return TokenSampler(request.sampling, request.end_id, matcher, compiler.vocab_size)
+
+    def _acquire_adapter(self, request: GenerationRequest) -> Adapter | None:
+        """The request's LoRA adapter, loaded from its weights or found in the cache and
+        held until the sequence leaves; a bad adapter, or TensorRT-LLM's cache miss (the
+        caller resends with the weights), is the request's InvalidRequest."""
+        if request.lora_task_id is None:
+            return None
+        if self._adapters is None:
+            raise InvalidRequest("LoRA adapters (lora_task_id) are not served by this engine")
+        try:
+            return self._adapters.acquire(request.lora_task_id, request.lora)
+        except AdapterError as error:
+            raise InvalidRequest(str(error)) from None
+        except LoraCacheFull as error:
+            raise EngineBusy(str(error)) from None
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.adapter is not None:
+            self._adapters.release(seq.adapter)
+
+    @property
+    def adapters(self):
+        """The adapter cache (None: this engine serves no adapters)."""
+        return self._adapters
 
     def _guide_compiler(self) -> GuideCompiler:
         with self._guides_lock:
@@ -357,7 +402,8 @@ class Engine:
                 history = self._pending[0].history
                 # A prompt's log probabilities need its logits: none come from the cache.
                 reads_cache = not self._pending[0].request.return_prompt_log_probs
-                chain = self._prefix.match(history) if self._prefix and reads_cache else []
+                root = self._pending[0].prefix_root
+                chain = self._prefix.match(history, root) if self._prefix and reads_cache else []
                 computed = len(history) - (len(chain) * self._prefix.block_size if chain else 0)
                 if computed > budget and not self.chunked_context:
                     break
@@ -411,6 +457,7 @@ class Engine:
                 [seq.history[: seq.cached + size] for seq, size in group],
                 [seq.cached for seq, _ in group],
                 every_position=every_position,
+                adapters=[seq.adapter for seq, _ in group],
             )
         finally:
             torch.set_num_threads(self.decode_threads)
@@ -421,7 +468,7 @@ class Engine:
             if seq.prefilling:  # a chunk: its logits are not the prompt's last
                 continue
             if self._prefix is not None:  # now, so that a request admitted next step finds it
-                self._prefix.save(self._cache, seq.slot, seq.history)
+                self._prefix.save(self._cache, seq.slot, seq.history, seq.prefix_root)
             self._sample(seq, row_logits)
 
     def _read_prompt(self, seq: Sequence, size: int, logits):
@@ -449,7 +496,10 @@ class Engine:
         which would gather the cache's rows instead of reading a view of them."""
         rows = self._running
         logits = self.runner.decode(
-            self._cache, [s.history[s.cached] for s in rows], [s.cached for s in rows]
+            self._cache,
+            [s.history[s.cached] for s in rows],
+            [s.cached for s in rows],
+            adapters=[s.adapter for s in rows],
         )
         for seq, row_logits in zip(rows, logits, strict=True):
             if seq.prefilling:
@@ -496,7 +546,9 @@ class Engine:
                 self._forget(seq)
                 # Saved before its row is reused; an error may have left it half written.
                 if self._prefix is not None and seq.finish_reason != "error":
-                    self._prefix.save(self._cache, seq.slot, seq.history[: seq.cached])
+                    self._prefix.save(
+                        self._cache, seq.slot, seq.history[: seq.cached], seq.prefix_root
+                    )
         holes = sorted(s.slot for s in self._running if s.finish_reason and s.slot < len(keep))
         movers = [s for s in keep if s.slot >= len(keep)]
         for seq, hole in zip(movers, holes, strict=True):
@@ -505,6 +557,7 @@ class Engine:
         self._running = sorted(keep, key=lambda s: s.slot)
 
     def _forget(self, seq: Sequence) -> None:
+        self._release_adapter(seq)
         with self._lock:
             self._active[seq.request_id] -= 1
             if self._active[seq.request_id] <= 0:

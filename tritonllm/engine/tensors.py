@@ -9,6 +9,7 @@ import numpy as np
 from tritonllm.engine.request import GenerationRequest
 from tritonllm.engine.sampling import SamplingParams
 from tritonllm.engine.scheduler import GenerationChunk
+from tritonllm.lora import LoraTensors
 from tritonllm.tokenization import InvalidRequest, from_word_list
 
 Getter = Callable[[str], "np.ndarray | None"]
@@ -61,6 +62,23 @@ def _guide(get: Getter) -> tuple[str | None, str]:
     return guide_type, _text(get, "guided_decoding_guide") or ""
 
 
+def _lora(get: Getter) -> LoraTensors | None:
+    """The adapter's ``lora_weights`` and ``lora_config`` (batch dimension dropped), or
+    None when the request names its adapter by ``lora_task_id`` alone."""
+    weights, config = get("lora_weights"), get("lora_config")
+    if weights is None and config is None:
+        return None
+    if weights is None or config is None:
+        raise InvalidRequest("lora_weights and lora_config must be sent together")
+    weights, config = np.asarray(weights), np.asarray(config)
+    if weights.ndim != 3 or config.ndim != 3 or weights.shape[0] != 1 or config.shape[0] != 1:
+        raise InvalidRequest(
+            f"lora_weights {list(weights.shape)} and lora_config {list(config.shape)}: "
+            "expected [1, module-layers, row] and [1, module-layers, 3]"
+        )
+    return LoraTensors(weights[0].astype(np.float16), config[0].astype(np.int32))
+
+
 def is_stop_request(get: Getter) -> bool:
     return bool(_scalar(get, "stop", bool, False))
 
@@ -105,6 +123,8 @@ def to_generation_request(request_id: str, get: Getter) -> GenerationRequest:
         return_prompt_log_probs=_scalar(get, "return_prompt_log_probs", bool, False),
         guide_type=guide_type,
         guide=guide,
+        lora_task_id=_scalar(get, "lora_task_id", int),
+        lora=_lora(get),
     )
 
 

@@ -45,4 +45,6 @@ class TritonPythonModel(DecoupledEngineModel):
             num_threads=model_args.int("num_threads", 0),
             prefix_cache_mb=float(model_args.str("prefix_cache_mb", "0")),
             prefix_block_size=model_args.int("prefix_cache_block_size", 16),
+            max_lora_rank=model_args.int("max_lora_rank", 64),
+            lora_cache_bytes=model_args.int("lora_cache_host_memory_bytes", 256 * 2**20),
         )
