@@ -9,6 +9,7 @@ messages). Config objects do no I/O; :mod:`serve.app` reads the repositories the
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -24,6 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 ModelId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 # A variant's id is also part of its Triton model names (``ensemble-<id>``).
 VariantId = Annotated[str, StringConstraints(pattern=contract.VARIANT_NAME)]
+# A LoRA adapter's name is its directory's name under dynamic_lora_loading_path and the
+# part after the colon of ``<base id>:<adapter>``: no path separators, no colon.
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+AdapterName = Annotated[str, StringConstraints(pattern=ADAPTER_NAME)]
 
 
 class _Strict(BaseModel):
@@ -92,6 +97,32 @@ class VLLMConfig(_Strict):
 def _from_root(path: Path) -> Path:
     path = path.expanduser()
     return path if path.is_absolute() else ROOT / path
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters of the model, loaded at runtime (docs/lora.md). The first two
+    fields are Ray Serve LLM's ``LoraConfig``'s, with the same meaning."""
+
+    dynamic_lora_loading_path: str = Field(
+        description="the directory whose subdirectories are the adapters (PEFT's "
+        "adapter_config.json and adapter_model.safetensors): a local path (relative to "
+        "the project root) or any fsspec URL the replicas can read (s3://, gs://, ...)"
+    )
+    max_num_adapters_per_replica: int = Field(
+        16, ge=1, description="adapters one replica keeps loaded (least recently used leaves)"
+    )
+    max_lora_rank: int = Field(
+        64, ge=1, le=256, description="adapters of a larger rank are refused (a 400)"
+    )
+    aliases: dict[ModelId, AdapterName] = Field(
+        default_factory=dict,
+        description="extra `model` names clients may send: alias -> adapter directory name",
+    )
+
+    def adapters_url(self) -> str:
+        """The directory as fsspec opens it (a relative local path from the project root)."""
+        path = self.dynamic_lora_loading_path.rstrip("/")
+        return path if "://" in path else str(_from_root(Path(path)))
 
 
 class RayActorOptions(_Strict):
@@ -205,6 +236,11 @@ class ModelConfig(_Strict):
     max_models_per_replica: int = Field(
         2, ge=1, description="variants one replica keeps loaded (least recently used leaves)"
     )
+    lora: LoraConfig | None = Field(
+        None,
+        description="LoRA adapters on this base model, found at runtime in "
+        "lora.dynamic_lora_loading_path; clients send `<id>:<adapter>` (docs/lora.md)",
+    )
     routing: Literal["default", "prefix_aware"] = Field(
         "default",
         description="how Serve picks a replica: default (power of two choices on load), "
@@ -249,6 +285,25 @@ class ModelConfig(_Strict):
             raise ValueError("routing: prefix_aware routes prompts: task generate only")
         return self
 
+    @model_validator(mode="after")
+    def _lora_on_one_base(self) -> ModelConfig:
+        if self.lora is None:
+            return self
+        if self.task != "generate" or self.engine != "triton":
+            raise ValueError(
+                "lora serves adapters of a generate model on Triton (engine: vllm: "
+                "vllm.llm_config.lora_config)"
+            )
+        if self.variants:
+            # An adapter is a delta of one base checkpoint; in a pool each variant is
+            # another checkpoint, and both would share the replica's one multiplexer.
+            raise ValueError("lora and variants do not mix: an adapter needs one base model")
+        return self
+
+    def adapter_id(self, adapter: str) -> str:
+        """The id an adapter of this model is listed and answered as."""
+        return f"{self.id}:{adapter}"
+
     def entry_model(self, variant: str | None = None) -> str:
         """The Triton model a request goes to (a variant's own ensemble in a pool)."""
         if variant is not None:
@@ -269,7 +324,7 @@ class ModelConfig(_Strict):
         return (contract.PREPROCESSING, contract.POSTPROCESSING) if self.variants else ("*",)
 
     def served_ids(self) -> list[str]:
-        """The ids clients send for this model."""
+        """The ids clients send for this model (its adapters are found at runtime)."""
         return list(self.variants) or [self.id]
 
     def deployment_name(self) -> str:
@@ -355,6 +410,7 @@ class AppConfig(_Strict):
     @model_validator(mode="after")
     def _unique_ids(self) -> AppConfig:
         ids = [m.id for m in self.models] + [v for m in self.models for v in m.variants]
+        ids += [a for m in self.models if m.lora for a in m.lora.aliases]
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
         if duplicates:
             raise ValueError(f"model ids must be unique: {', '.join(duplicates)}")
@@ -366,12 +422,22 @@ class AppConfig(_Strict):
         return next((m for m in self.models if m.id == model_id), None)
 
     def resolve(self, model_id: str) -> tuple[ModelConfig, str | None] | None:
-        """The model a client's ``model`` names and, for a pool, the variant."""
+        """The model a client's ``model`` names and, for a pool, the variant or, for a
+        model with ``lora``, the adapter (``<id>:<adapter>`` or an alias; whether the
+        adapter exists is for the caller to check: adapters come and go at runtime)."""
         for model in self.models:
             if model_id in model.variants:
                 return model, model_id
+            if model.lora and model_id in model.lora.aliases:
+                return model, model.lora.aliases[model_id]
         model = self.model(model_id)
-        return (model, None) if model is not None else None
+        if model is not None:
+            return model, None
+        base, _, adapter = model_id.rpartition(":")
+        model = self.model(base)
+        if model is not None and model.lora and re.fullmatch(ADAPTER_NAME, adapter):
+            return model, adapter
+        return None
 
     def served_ids(self) -> list[str]:
         return [i for m in self.models for i in m.served_ids()]

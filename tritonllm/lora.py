@@ -36,7 +36,9 @@ MODULE_ID_TO_HF = {LORA_MODULE_IDS[t]: hf for hf, t in HF_TO_TRTLLM_MODULES.item
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
-_WEIGHT_KEY = re.compile(r".*\.layers\.([0-9]+)\.(?:self_attn|mlp)\.([a-z_]+)\.lora_([AB])\.weight$")
+_WEIGHT_KEY = re.compile(
+    r".*\.layers\.([0-9]+)\.(?:self_attn|mlp)\.([a-z_]+)\.lora_([AB])\.weight$"
+)
 
 
 class AdapterError(ValueError):
@@ -171,3 +173,43 @@ def read_peft_dir(read_bytes) -> LoraTensors:
     except Exception as error:  # safetensors raises its own error types on corrupt data
         raise AdapterError(f"{ADAPTER_WEIGHTS} cannot be read: {error}") from None
     return pack_peft(adapter_config, state)
+
+
+def llama_module_shapes(hf_config: dict) -> tuple[dict[str, tuple[int, int]], int]:
+    """The ``(in, out)`` sizes of the modules an adapter may target on a Llama-style
+    model (its Hugging Face ``config.json``), and the model's layer count: what
+    :func:`unpack` and :func:`check_fits` check an adapter against."""
+    hidden = int(hf_config["hidden_size"])
+    heads = int(hf_config["num_attention_heads"])
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    head_dim = int(hf_config.get("head_dim") or hidden // heads)
+    inner = int(hf_config["intermediate_size"])
+    shapes = {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv_heads * head_dim),
+        "v_proj": (hidden, kv_heads * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, inner),
+        "up_proj": (hidden, inner),
+        "down_proj": (inner, hidden),
+    }
+    return shapes, int(hf_config["num_hidden_layers"])
+
+
+def check_fits(
+    tensors: LoraTensors, shapes: dict[str, tuple[int, int]], num_layers: int, max_rank: int
+) -> None:
+    """Raise :class:`AdapterError` naming why an adapter does not fit a model (or the
+    server's rank limit). Rows are zero-padded to the widest, so :func:`unpack` alone
+    accepts an adapter of a smaller base; the widest row must fill the width exactly."""
+    if tensors.max_rank > max_rank:
+        raise AdapterError(
+            f"adapter has rank {tensors.max_rank}; this server serves ranks up to {max_rank}"
+        )
+    deltas = unpack(tensors, shapes, num_layers)
+    widest = max(d.a.size + d.b.size for d in deltas)
+    if widest != tensors.weights.shape[1]:
+        raise AdapterError(
+            f"adapter's weights are {tensors.weights.shape[1]} wide; for this model's module "
+            f"shapes they would be {widest} (an adapter of another base model?)"
+        )

@@ -44,6 +44,10 @@ class Backend(Protocol):
         """Whether the model's engine returns top-k alternatives and the prompt's log
         probabilities (the torch engine and vLLM; TensorRT-LLM does not)."""
 
+    async def adapters(self, model: ModelConfig) -> list[str]:
+        """The LoRA adapters found now in the directory of a model with ``lora``.
+        Raises :class:`serve.api.errors.APIError`."""
+
     def sampling_defaults(self, model: ModelConfig) -> SamplingDefaults:
         """The model's checkpoint's sampling defaults (``generation_config.json``)."""
 

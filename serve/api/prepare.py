@@ -39,21 +39,30 @@ MULTIPLEXED_HEADER = "serve_multiplexed_model_id"
 def target(
     request: Request, backend: Backend, model_id: str, task: str
 ) -> tuple[ModelConfig, str | None]:
-    """The model (and, in a pool of variants, the variant) a request names."""
+    """The model a request names and, in a pool of variants, the variant or, for a
+    model with ``lora``, the adapter (whose existence the backend checks)."""
     name = request.headers.get(MULTIPLEXED_HEADER) or model_id
     resolved = backend.config.resolve(name)
     if resolved is None or resolved[0].task != task:
         what = "model" if resolved is None else f"{task} model"
         raise NotFound(f"{what} {name!r} does not exist", param="model", code="model_not_found")
-    model, variant = resolved
-    if model.variants and variant is None:
+    model, entry = resolved
+    if model.variants and entry is None:
         raise NotFound(
             f"{name!r} is a pool of variants: send one of {', '.join(model.variants)}",
             param="model",
             code="model_not_found",
         )
-    request.state.model = variant or model.id
-    return model, variant
+    # The metrics label: a variant (a configured few), never an adapter (found at runtime).
+    request.state.model = model.id if model.lora else entry or model.id
+    return model, entry
+
+
+def served_id(model: ModelConfig, params: GenerateParams) -> str:
+    """The model id an answer names: the variant, ``<base>:<adapter>``, or the model."""
+    if params.adapter is not None:
+        return model.adapter_id(params.adapter)
+    return params.variant or model.id
 
 
 def request_ids(request: Request, count: int) -> list[str]:
@@ -75,13 +84,15 @@ def choices(
     request: Request,
     body: SamplingFields,
     model: ModelConfig,
-    variant: str | None,
+    entry: str | None,
     prompts: list[str],
     max_tokens: int | None,
     guide: Guide | None = None,
 ) -> list[GenerateParams]:
     """One engine request per choice: ``n`` for each prompt, in OpenAI's order (the
-    ``j``-th choice of prompt ``i`` has index ``i * n + j``)."""
+    ``j``-th choice of prompt ``i`` has index ``i * n + j``); ``entry`` is what
+    :func:`target` found (a variant or an adapter)."""
+    variant, adapter = (None, entry) if model.lora else (entry, None)
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(
             f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices", "n"
@@ -92,7 +103,9 @@ def choices(
     cap, default = model.max_tokens_cap, model.default_max_tokens
     defaults = backend.sampling_defaults(model)
     return [
-        body.params(prompt, max_tokens, cap, default, next(ids), variant, j, defaults, guide)
+        body.params(
+            prompt, max_tokens, cap, default, next(ids), variant, j, defaults, guide, adapter
+        )
         for prompt in prompts
         for j in range(body.n)
     ]
@@ -134,8 +147,8 @@ class ChatTurn:
 
     @property
     def served(self) -> str:
-        """The model id the answer names (a pool's variant)."""
-        return self.params[0].variant or self.model.id
+        """The model id the answer names (a pool's variant, an adapter)."""
+        return served_id(self.model, self.params[0])
 
 
 def chat_turn(body: ChatCompletionRequest, request: Request, backend: Backend) -> ChatTurn:

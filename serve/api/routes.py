@@ -29,6 +29,7 @@ from serve.api.prepare import (
     check_prompt_chars,
     choices,
     request_ids,
+    served_id,
     target,
 )
 from serve.api.responses import (
@@ -57,20 +58,37 @@ log = logging.getLogger("ray.serve")
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-def _card(model_id: str) -> dict:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": "triton"}
+def _card(model_id: str, parent: str | None = None) -> dict:
+    card = {"id": model_id, "object": "model", "created": 0, "owned_by": "triton"}
+    if parent is not None:  # a LoRA adapter: its base model (as vLLM lists adapters)
+        card |= {"parent": parent, "root": parent}
+    return card
+
+
+async def _cards(backend: Backend) -> list[dict]:
+    """Every id clients may send: the models, variants, and the adapters found now."""
+    cards = []
+    for model in backend.config.models:
+        cards += [_card(i) for i in model.served_ids()]
+        if model.lora:
+            found = await backend.adapters(model)
+            cards += [_card(model.adapter_id(name), model.id) for name in found]
+            aliases = model.lora.aliases.items()
+            cards += [_card(alias, model.id) for alias, name in aliases if name in found]
+    return cards
 
 
 @router.get("/v1/models")
 async def list_models(backend: BackendDep):
-    return {"object": "list", "data": [_card(i) for i in backend.config.served_ids()]}
+    return {"object": "list", "data": await _cards(backend)}
 
 
 @router.get("/v1/models/{model_id}")
 async def retrieve_model(model_id: str, backend: BackendDep):
-    if model_id not in backend.config.served_ids():
+    card = next((c for c in await _cards(backend) if c["id"] == model_id), None)
+    if card is None:
         raise NotFound(f"model {model_id!r} does not exist", param="model", code="model_not_found")
-    return _card(model_id)
+    return card
 
 
 @router.post("/v1/completions")
@@ -177,7 +195,7 @@ async def _respond(
     syntax: CallSyntax | None = None,
 ):
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-    served = params[0].variant or model.id
+    served = served_id(model, params[0])
     base = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": served}
     echoes = echoes or [""] * len(params)
     log_probs = _LogProbs(backend, model, kind, echoes) if params[0].return_log_probs else None

@@ -136,6 +136,7 @@ class SamplingFields(BaseModel):
         choice: int = 0,
         defaults: SamplingDefaults = GREEDY,
         guide: Guide | None = None,
+        adapter: str | None = None,
     ) -> GenerateParams:
         """The engine request of one choice; the ``choice``-th of n samples with its
         own seed (seed + choice), so n seeded choices differ and repeat."""
@@ -151,6 +152,7 @@ class SamplingFields(BaseModel):
         return GenerateParams(
             request_id=request_id,
             variant=variant,
+            adapter=adapter,
             prompt="" if tokenized else prompt,
             prompt_token_ids=tuple(prompt) if tokenized else (),
             max_tokens=max_tokens,

@@ -25,10 +25,11 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from serve.adapters import AdapterCatalog
 from serve.api.auth import load_api_keys
 from serve.api.backend import Embeddings
 from serve.api.chat_template import render_chat_prompt
-from serve.api.errors import APIError, InternalError, Overloaded
+from serve.api.errors import APIError, InternalError, NotFound, Overloaded
 from serve.api.http import create_app
 from serve.api.response_store import ResponseStore
 from serve.api.sampling import SamplingDefaults
@@ -144,6 +145,10 @@ class OpenAIIngress:
         self._alternatives = {
             m.id: _serves_alternatives(m) for m in config.models if m.task == "generate"
         }
+        # Each LoRA model's adapter directory, listed at most every few seconds.
+        self._adapters = {
+            m.id: AdapterCatalog(m.lora.adapters_url()) for m in config.models if m.lora
+        }
         self._api_keys = load_api_keys(config.api_keys.env, config.api_keys.file)
         log.info("API keys %s", "required" if self._api_keys else "not configured (open API)")
 
@@ -173,6 +178,22 @@ class OpenAIIngress:
     def serves_alternatives(self, model: ModelConfig) -> bool:
         return self._alternatives[model.id]
 
+    async def adapters(self, model: ModelConfig) -> list[str]:
+        try:
+            return sorted(await self._adapters[model.id].names())
+        except OSError as error:
+            log.warning("model %s: the adapter directory cannot be listed: %s", model.id, error)
+            raise Overloaded(f"model {model.id!r}'s adapters cannot be listed now; retry") from None
+
+    async def _require_adapter(self, model: ModelConfig, adapter: str) -> None:
+        if adapter not in await self.adapters(model):
+            raise NotFound(
+                f"model {model.adapter_id(adapter)!r} does not exist: {model.id!r} has no "
+                f"adapter {adapter!r}",
+                param="model",
+                code="model_not_found",
+            )
+
     # -- generation ----------------------------------------------------------------------
 
     async def start(self, model: ModelConfig, params: GenerateParams):
@@ -194,6 +215,8 @@ class OpenAIIngress:
     async def _retrying_once(self, attempt, model: ModelConfig, params: GenerateParams):
         """``attempt`` again on another replica if its replica was lost (the client has
         been sent nothing yet)."""
+        if params.adapter is not None:
+            await self._require_adapter(model, params.adapter)
         try:
             return await attempt(model, params)
         except ReplicaLost as error:
@@ -221,9 +244,10 @@ class OpenAIIngress:
         self, model: ModelConfig, params: GenerateParams
     ) -> AsyncIterator[GenerationChunk]:
         """The replica's chunks, with errors mapped and the latency figures recorded."""
-        # A variant goes to a replica that already holds it (Serve's multiplexing).
+        # A variant or an adapter goes to a replica that already holds it (Serve's
+        # multiplexing).
         handle = self.replicas[model.id].options(
-            stream=True, multiplexed_model_id=params.variant or ""
+            stream=True, multiplexed_model_id=params.multiplexed_model_id
         )
         metrics = self.metrics.model(params.variant or model.id)
         responses = chunk = None

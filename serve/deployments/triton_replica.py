@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import numpy as np
 from ray import serve
 
+from serve.adapters import Adapter, read_adapter
 from serve.config import ModelConfig
 from serve.generation import GenerateParams, GenerationChunk, coalesce
 from serve.metrics import MetricsPublisher, replica_labels
 from serve.triton import repository
 from serve.triton.host import GenerationError, TritonHost
 from serve.triton.select import choose_host
-from tritonllm import contract
+from tritonllm import contract, lora
 
 log = logging.getLogger("ray.serve")
 
@@ -34,6 +38,11 @@ class TritonReplica:
     multiplexing, which also unloads the least recently used one past
     ``max_models_per_replica`` and routes a variant's requests to the replicas
     holding it.
+
+    A model with ``lora`` multiplexes its LoRA adapters the same way: an adapter is
+    read from the adapter directory and checked against the base model on its first
+    request to the replica, which keeps ``max_num_adapters_per_replica`` of them; the
+    engine gets its weights once and the task id afterwards (docs/lora.md).
     """
 
     async def __init__(
@@ -60,6 +69,17 @@ class TritonReplica:
             self._variant = serve.multiplexed(
                 max_num_models_per_replica=model.max_models_per_replica
             )(load)
+        if model.lora:
+            checkpoint = repository.tokenizer_dir(model.triton.repository_path())
+            config = json.loads((checkpoint / "config.json").read_text())
+            self._module_shapes = lora.llama_module_shapes(config)
+
+            async def load_adapter(name: str) -> LoadedAdapter:
+                return await self._load_adapter(name)
+
+            self._adapter = serve.multiplexed(
+                max_num_models_per_replica=model.lora.max_num_adapters_per_replica
+            )(load_adapter)
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerationChunk]:
         triton_model = self.model.entry_model()
@@ -67,9 +87,69 @@ class TritonReplica:
             triton_model = (await self._variant(params.variant)).ensemble
         # What Triton sends while this replica (or Ray's hop to the ingress) is busy
         # leaves as one chunk: every yield is one Ray object, whatever it holds.
-        chunks = self.host.generate(params, triton_model)
+        if params.adapter is not None:
+            chunks = self._generate_with_adapter(params, triton_model)
+        else:
+            chunks = self.host.generate(params, triton_model)
         async for chunk in coalesce(chunks, self.model.stream_interval_ms / 1000):
             yield chunk
+
+    async def _generate_with_adapter(
+        self, params: GenerateParams, triton_model: str
+    ) -> AsyncIterator[GenerationChunk]:
+        """The adapter's task id, with its weights until the engine has taken them once;
+        an engine that no longer holds them (its cache evicted them) answers a cache
+        miss before any token, and the request goes again with the weights."""
+        loaded = await self._adapter(params.adapter)
+        with_weights = not loaded.in_engine
+        try:
+            async with aclosing(
+                self.host.generate(loaded.request(params, with_weights), triton_model)
+            ) as chunks:
+                async for chunk in chunks:
+                    loaded.in_engine = True
+                    yield chunk
+            return
+        except GenerationError as error:
+            if loaded.in_engine or with_weights or not contract.LORA_CACHE_MISS.search(str(error)):
+                raise
+        log.info("engine no longer holds adapter %s: resending its weights", params.adapter)
+        resend = dataclasses.replace(
+            loaded.request(params, True), request_id=f"{params.request_id}.w"
+        )
+        async with aclosing(self.host.generate(resend, triton_model)) as chunks:
+            async for chunk in chunks:
+                loaded.in_engine = True
+                yield chunk
+
+    async def _load_adapter(self, name: str) -> LoadedAdapter:
+        """Read, pack and check adapter ``name``: an adapter that cannot be served is
+        the client's 400, and the replica goes on serving."""
+        shapes, num_layers = self._module_shapes
+        settings = self.model.lora
+
+        def read() -> Adapter:
+            adapter = read_adapter(settings.adapters_url(), name)
+            lora.check_fits(adapter.tensors, shapes, num_layers, settings.max_lora_rank)
+            return adapter
+
+        try:
+            adapter = await asyncio.to_thread(read)
+        except FileNotFoundError:
+            raise GenerationError(
+                f"adapter {name!r} is not in the adapter directory", GenerationError.INVALID
+            ) from None
+        except lora.AdapterError as error:
+            log.warning("adapter %s cannot be served: %s", name, error)
+            raise GenerationError(f"adapter {name!r}: {error}", GenerationError.INVALID) from None
+        log.info(
+            "loaded adapter %s (task id %d, rank %d, %d bytes)",
+            name,
+            adapter.task_id,
+            adapter.tensors.max_rank,
+            adapter.tensors.nbytes,
+        )
+        return LoadedAdapter(adapter)
 
     async def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
         """One L2-normalised vector per text (in order) and the tokens read. The
@@ -116,6 +196,19 @@ def _texts(batch: list[str]) -> dict[str, np.ndarray]:
     return {
         contract.EMBEDDINGS_INPUTS[0].name: np.array([[t.encode()] for t in batch], dtype=object)
     }
+
+
+class LoadedAdapter:
+    """An adapter this replica holds (Serve's multiplexer keeps it, least recently used
+    out first), and whether the engine has taken its weights."""
+
+    def __init__(self, adapter: Adapter):
+        self.adapter = adapter
+        self.in_engine = False
+
+    def request(self, params: GenerateParams, with_weights: bool) -> GenerateParams:
+        tensors = self.adapter.tensors if with_weights else None
+        return dataclasses.replace(params, lora_task_id=self.adapter.task_id, lora_tensors=tensors)
 
 
 class LoadedVariant:

@@ -60,6 +60,18 @@ def ensemble_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
         ids, weights = zip(*params.logit_bias, strict=True)
         values["embedding_bias_token_ids"] = np.array([ids], dtype=np.int32)
         values["embedding_bias_weights"] = np.array([weights], dtype=np.float32)
+    return values | _lora_inputs(params)
+
+
+def _lora_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
+    """TensorRT-LLM's LoRA inputs: the task id, and the weights when the replica sends
+    them (the engine's first use of the adapter; docs/lora.md)."""
+    if params.lora_task_id is None:
+        return {}
+    values = {"lora_task_id": np.array([[params.lora_task_id]], dtype=np.uint64)}
+    if params.lora_tensors is not None:
+        values["lora_weights"] = params.lora_tensors.weights.astype(np.float16)[None]
+        values["lora_config"] = params.lora_tensors.config.astype(np.int32)[None]
     return values
 
 
