@@ -16,6 +16,10 @@ pre/postprocessing and the Serve app stay as they are:
 - :class:`LLMAPIEngine`: the torch engine's verbs (``submit``, ``cancel``,
   ``shutdown``) over an ``LLM`` object, on an asyncio loop of its own, with the queue
   bound and the cancellation the slot promises.
+- LoRA: the contract's ``lora_task_id`` (and the packed weights on first use) as the
+  LLM API's ``LoRARequest(name, id, path)``: each task id's adapter is written once as
+  a PEFT directory (:mod:`tritonllm.lora_dirs`, :func:`lora_adapters`); an id not held
+  answers TensorRT-LLM's cache miss, as the C++ backend does.
 
 Nothing here imports ``tensorrt_llm`` or ``triton_python_backend_utils``:
 ``model_repository/tensorrt_llm/1/llmapi.py`` passes the LLM in, and the unit tests a
@@ -35,6 +39,8 @@ from typing import Any, Protocol
 from tritonllm.engine.request import GenerationRequest
 from tritonllm.engine.scheduler import EngineBusy, GenerationChunk
 from tritonllm.guided import grammar
+from tritonllm.lora import AdapterError, llama_module_shapes
+from tritonllm.lora_dirs import AdapterDirectories
 from tritonllm.tokenization import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -73,6 +79,23 @@ def llm_kwargs(model_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
     except ImportError:  # an older layout: LLM's pydantic args take the dicts themselves
         return {**base, **options}
     return update_llm_args_with_extra_dict(base, options)
+
+
+def lora_adapters(model_dir: Path, options: dict[str, Any], root: Path):
+    """The adapter directories of an LLM whose options enable LoRA (``lora_config``,
+    written from build_engines/trtllm.yaml's ``lora:``), or None. Adapters are checked
+    against the checkpoint's module shapes; twice as many are kept on disk as the LLM
+    API keeps in host memory (``max_cpu_loras``), least recently used removed first."""
+    lora = options.get("lora_config")
+    if not lora:
+        return None
+    import json
+
+    shapes, layers = llama_module_shapes(json.loads((Path(model_dir) / "config.json").read_text()))
+    held = int(lora.get("max_cpu_loras") or lora.get("max_loras") or 8)
+    return AdapterDirectories(
+        root, shapes, layers, int(lora["max_lora_rank"]), 2 * held, str(model_dir)
+    )
 
 
 def _ignores_eos(request: GenerationRequest) -> bool:
@@ -256,6 +279,7 @@ class _Running:
     sink: Sink
     output: Any = None  # the LLM API's RequestOutput once submitted
     aborted: bool = False
+    lora: Any = None  # the LLM API's LoRARequest, or None for the base model
     tracker: OutputTracker = field(init=False)
 
     def __post_init__(self):
@@ -280,9 +304,15 @@ class LLMAPIEngine:
         max_input_len: int = 0,
         max_seq_len: int = 0,
         guided_decoding_params_cls=None,
+        adapters: AdapterDirectories | None = None,
+        lora_request_cls=None,
     ):
         self._llm = llm
         self._sampling_params_cls = sampling_params_cls
+        # LoRA (None: requests naming an adapter are refused): where each task id's
+        # adapter is written, and tensorrt_llm's LoRARequest.
+        self._adapters = adapters
+        self._lora_request_cls = lora_request_cls
         # tensorrt_llm's GuidedDecodingParams (None: guided requests are refused).
         self._guided_decoding_params_cls = guided_decoding_params_cls
         self._capacity = max_batch_size + max_queue_size
@@ -299,7 +329,8 @@ class LLMAPIEngine:
         """Start ``request``; raises InvalidRequest or EngineBusy before any work."""
         self._validate(request)
         params = self._sampling_params(request)
-        entry = _Running(request, sink)
+        lora = self._lora_request(request)
+        entry = _Running(request, sink, lora=lora)
         with self._lock:
             if len(self._running) >= self._capacity:
                 raise EngineBusy(
@@ -358,6 +389,29 @@ class LLMAPIEngine:
                 f"max_seq_len ({self._max_seq_len}); shorten the prompt or lower max_tokens"
             )
 
+    def _lora_request(self, request: GenerationRequest):
+        """The request's adapter as a ``LoRARequest`` (None: the base model). Raises
+        InvalidRequest: TensorRT-LLM's cache miss for an id alone that is not held
+        (the caller resends it with the weights), or an adapter that does not fit."""
+        if request.lora_task_id is None:
+            if request.lora is not None:
+                raise InvalidRequest(
+                    "lora_weights and lora_config came without lora_task_id: "
+                    "send the adapter's task id with its weights"
+                )
+            return None
+        if self._adapters is None or self._lora_request_cls is None:
+            raise InvalidRequest(
+                "this model serves no LoRA adapters: build it with a lora: section in "
+                "build_engines/trtllm.yaml (`make engines TARGET=trtllm-pytorch`)"
+            )
+        task_id = request.lora_task_id
+        try:
+            path = self._adapters.path(task_id, request.lora)
+        except AdapterError as error:
+            raise InvalidRequest(str(error)) from None
+        return self._lora_request_cls(f"task-{task_id}", task_id, str(path))
+
     def _sampling_params(self, request: GenerationRequest):
         kwargs = sampling_kwargs(request)
         guide = guided_decoding_kwargs(request)
@@ -377,8 +431,9 @@ class LLMAPIEngine:
             # so the LLM API streams whenever there are any; the tracker still sends a
             # non-streamed request one answer at the end.
             stream = request.streaming or bool(request.stop_words)
+            lora = {"lora_request": entry.lora} if entry.lora is not None else {}
             entry.output = self._llm.generate_async(
-                prompt(request), sampling_params=params, streaming=stream
+                prompt(request), sampling_params=params, streaming=stream, **lora
             )
             if entry.aborted:  # cancelled while it was being submitted
                 self._abort(entry, force=True)

@@ -16,13 +16,22 @@ import threading
 import time
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
+from tritonllm.contract import LORA_CACHE_MISS, lora_cache_miss
 from tritonllm.engine.request import GenerationRequest
 from tritonllm.engine.sampling import SamplingParams as OurSampling
 from tritonllm.engine.scheduler import EngineBusy
-from tritonllm.llmapi import LLMAPIEngine, OutputTracker, llm_kwargs, sampling_kwargs
+from tritonllm.llmapi import (
+    LLMAPIEngine,
+    OutputTracker,
+    llm_kwargs,
+    lora_adapters,
+    sampling_kwargs,
+)
+from tritonllm.lora import AdapterError
 from tritonllm.tokenization import InvalidRequest
 
 EOS = 2
@@ -172,11 +181,13 @@ class FakeLLM:
     def __init__(self, script=(10, 11, 12, 13), delay_s=0.005, error=None, stall=False):
         self.script, self.delay_s, self.error, self.stall = list(script), delay_s, error, stall
         self.calls, self.outputs, self.shut_down = [], [], False
+        self.lora_requests = []
 
-    def generate_async(self, prompt, sampling_params, streaming):
+    def generate_async(self, prompt, sampling_params, streaming, lora_request=None):
         if self.error:
             raise self.error
         self.calls.append((prompt, sampling_params, streaming))
+        self.lora_requests.append(lora_request)
         output = FakeOutput(self.script, self.delay_s, self.stall)
         self.outputs.append(output)
         return output
@@ -372,3 +383,124 @@ def test_guides_pass_through_as_guided_decoding_params(guide_type, guide, expect
             plain._sampling_params(request(guide_type=guide_type, guide=guide))
     finally:
         plain.shutdown()
+
+
+# -- LoRA: the contract's tensors as the LLM API's LoRARequest ------------------------------
+
+
+@dataclass
+class FakeLoRARequest:
+    """tensorrt_llm.executor.request.LoRARequest(lora_name, lora_int_id, lora_path)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+def packed_adapter(checkpoint_dir, rank: int = 4, seed: int = 0):
+    """A PEFT-named q/v adapter of the default model, packed as the Serve side sends it."""
+    import json
+
+    import numpy as np
+
+    from tritonllm.lora import llama_module_shapes, pack_peft
+
+    shapes, _ = llama_module_shapes(json.loads((checkpoint_dir / "config.json").read_text()))
+    rng = np.random.default_rng(seed)
+    state = {}
+    for module in ("q_proj", "v_proj"):
+        fan_in, fan_out = shapes[module]
+        prefix = f"base_model.model.model.layers.1.self_attn.{module}"
+        state[f"{prefix}.lora_A.weight"] = rng.normal(size=(rank, fan_in))
+        state[f"{prefix}.lora_B.weight"] = rng.normal(size=(fan_out, rank))
+    return pack_peft({"r": rank, "lora_alpha": 2 * rank}, state)
+
+
+@pytest.fixture
+def lora_engine(checkpoint_dir, tmp_path):
+    from build_engines.trtllm_settings import TrtllmSettings, llm_api_options
+
+    options = llm_api_options(TrtllmSettings())  # the shipped lora: section
+    adapters = lora_adapters(checkpoint_dir, options, tmp_path / "adapters")
+    llm = FakeLLM(script=(10, 11))
+    engine = LLMAPIEngine(
+        llm,
+        FakeSamplingParams,
+        max_batch_size=4,
+        max_queue_size=4,
+        adapters=adapters,
+        lora_request_cls=FakeLoRARequest,
+    )
+    yield engine, llm
+    engine.shutdown()
+
+
+def test_an_adapter_is_written_once_and_named_by_its_task_id_after(lora_engine, checkpoint_dir):
+    from peft import LoraConfig as PeftLoraConfig
+
+    from tritonllm.lora import read_peft_dir
+
+    engine, llm = lora_engine
+    packed = packed_adapter(checkpoint_dir)
+    first = wait_submit(engine, request(lora_task_id=7, lora=packed))
+    again = wait_submit(engine, request(lora_task_id=7))  # the id alone, as Serve sends it
+    base = wait_submit(engine, request())
+    assert [s.errors for s in (first, again, base)] == [[], [], []]
+    with_adapter, by_id, without = llm.lora_requests
+    assert with_adapter == by_id and without is None
+    assert (with_adapter.lora_name, with_adapter.lora_int_id) == ("task-7", 7)
+    path = Path(with_adapter.lora_path)
+    config = PeftLoraConfig.from_pretrained(path)  # a PEFT directory PEFT reads
+    assert (config.r, config.lora_alpha) == (4, 4)
+    assert set(config.target_modules) == {"q_proj", "v_proj"}
+    written = read_peft_dir(lambda name: (path / name).read_bytes())
+    assert (written.config == packed.config).all()
+    assert (written.weights == packed.weights).all()  # float16 in, float16 out: exact
+
+
+def test_an_id_not_held_is_tensorrt_llms_cache_miss_and_nothing_runs(lora_engine):
+    engine, llm = lora_engine
+    with pytest.raises(InvalidRequest) as miss:
+        engine.submit(request(lora_task_id=42), Sink())
+    assert str(miss.value) == lora_cache_miss(42)
+    assert LORA_CACHE_MISS.match(str(miss.value))[1] == "42"
+    assert llm.calls == [] and engine.active() == 0
+
+
+def test_adapters_that_do_not_fit_and_weights_without_an_id_are_refused(
+    lora_engine, checkpoint_dir, make_engine
+):
+    import numpy as np
+
+    from tritonllm.lora import LoraTensors
+
+    engine, llm = lora_engine
+    with pytest.raises(InvalidRequest, match="rank 128.*up to 64"):
+        engine.submit(request(lora_task_id=1, lora=packed_adapter(checkpoint_dir, 128)), Sink())
+    other_base = LoraTensors(
+        np.zeros((1, 4 * 8), dtype=np.float16), np.array([[1, 0, 4]], dtype=np.int32)
+    )
+    with pytest.raises(InvalidRequest, match="another base"):
+        engine.submit(request(lora_task_id=2, lora=other_base), Sink())
+    with pytest.raises(InvalidRequest, match="without lora_task_id"):
+        engine.submit(request(lora=packed_adapter(checkpoint_dir)), Sink())
+    with pytest.raises(InvalidRequest, match="serves no LoRA adapters.*lora: section"):
+        make_engine().submit(request(lora_task_id=1, lora=packed_adapter(checkpoint_dir)), Sink())
+    assert llm.calls == []
+
+
+def test_lora_adapters_follow_the_llm_api_options(checkpoint_dir, tmp_path):
+    from build_engines.trtllm_settings import TrtllmSettings, llm_api_options
+
+    assert (
+        lora_adapters(checkpoint_dir, llm_api_options(TrtllmSettings(lora=None)), tmp_path) is None
+    )
+    settings = TrtllmSettings.from_dict(
+        {"lora": {"max_rank": 8, "max_cpu_loras": 2, "max_loras": 1}}
+    )
+    adapters = lora_adapters(checkpoint_dir, llm_api_options(settings), tmp_path / "a")
+    for task_id in range(6):  # twice max_cpu_loras kept on disk
+        adapters.path(task_id, packed_adapter(checkpoint_dir, rank=8, seed=task_id))
+    assert len(adapters) == 4 and 0 not in adapters and 5 in adapters
+    with pytest.raises(AdapterError, match="up to 8"):
+        adapters.path(9, packed_adapter(checkpoint_dir, rank=16))

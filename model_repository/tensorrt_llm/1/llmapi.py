@@ -4,11 +4,14 @@ Loaded instead of model.py when `make engines TARGET=trtllm-pytorch` wrote the c
 (``default_model_filename: "llmapi.py"``). Same tensors, decoupled, streaming.
 """
 
+import tempfile
+from pathlib import Path
+
 import triton_python_backend_utils as pb_utils
 
 from tritonllm.decoupled import DecoupledEngineModel
 from tritonllm.engine.scheduler import merge_chunks
-from tritonllm.llmapi import LLMAPIEngine, llm_kwargs, load_options
+from tritonllm.llmapi import LLMAPIEngine, llm_kwargs, load_options, lora_adapters
 from tritonllm.model_args import ModelArgs
 from tritonllm.response_thread import ResponseThread
 
@@ -27,7 +30,14 @@ class TritonPythonModel(DecoupledEngineModel):
             GuidedDecodingParams = None  # noqa: N806
 
         options = load_options(model_args.path("llm_api_options"))
-        llm = LLM(**llm_kwargs(model_args.path("engine_dir"), options))
+        model_dir = model_args.path("engine_dir")
+        # LoRA adapters arrive as tensors; the LLM API loads them from PEFT directories.
+        self.lora_root = tempfile.TemporaryDirectory(prefix="tritonllm-lora-")
+        adapters = lora_adapters(model_dir, options, Path(self.lora_root.name))
+        LoRARequest = None  # noqa: N806
+        if adapters is not None:
+            from tensorrt_llm.executor.request import LoRARequest  # noqa: N806
+        llm = LLM(**llm_kwargs(model_dir, options))
         # What the thread finds queued for a request leaves as one response (model.py too).
         self.responses = ResponseThread(poll_interval_s=0.02, merge=merge_chunks)
         self.engine = LLMAPIEngine(
@@ -38,4 +48,12 @@ class TritonPythonModel(DecoupledEngineModel):
             max_input_len=model_args.int("max_input_len", 0),
             max_seq_len=model_args.int("max_seq_len", 0),
             guided_decoding_params_cls=GuidedDecodingParams,
+            adapters=adapters,
+            lora_request_cls=LoRARequest,
         )
+
+    def finalize(self):
+        try:
+            super().finalize()
+        finally:
+            self.lora_root.cleanup()
