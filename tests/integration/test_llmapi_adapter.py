@@ -46,11 +46,23 @@ class SamplingParams:
 class LLM:
     def __init__(self, model, **options):
         self.options = options
+        self.model_dir = model
         self.model = AutoModelForCausalLM.from_pretrained(model, local_files_only=True).eval()
+        self.adapters = {}  # lora_int_id -> the base with that adapter, as PEFT loads it
 
-    def generate_async(self, prompt, sampling_params, streaming=False):
+    def generate_async(self, prompt, sampling_params, streaming=False, lora_request=None):
         CALLS.append((prompt, sampling_params, streaming))
-        return RequestOutput(self.model, prompt["prompt_token_ids"], sampling_params)
+        model = self.model
+        if lora_request is not None:  # LoRARequest(name, id, path): a PEFT directory
+            assert self.options.get("lora_config"), "LoRA without lora_config in LLM()"
+            model = self.adapters.get(lora_request.lora_int_id)
+            if model is None:
+                from peft import PeftModel
+
+                base = AutoModelForCausalLM.from_pretrained(self.model_dir, local_files_only=True)
+                model = PeftModel.from_pretrained(base, lora_request.lora_path).eval()
+                self.adapters[lora_request.lora_int_id] = model
+        return RequestOutput(model, prompt["prompt_token_ids"], sampling_params)
 
     def shutdown(self):
         pass
@@ -97,6 +109,18 @@ class RequestOutput:
         return self
 '''
 
+# tensorrt_llm.executor.request.LoRARequest(lora_name, lora_int_id, lora_path).
+LORA_REQUEST = """
+from dataclasses import dataclass
+
+
+@dataclass
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+"""
+
 
 @pytest.fixture(scope="module")
 def llmapi_host(checkpoint_dir, tmp_path_factory):
@@ -104,6 +128,9 @@ def llmapi_host(checkpoint_dir, tmp_path_factory):
     (site / "tensorrt_llm").mkdir()
     (site / "tensorrt_llm" / "__init__.py").write_text(textwrap.dedent(STAND_IN))
     (site / "tensorrt_llm" / "version.py").write_text('__version__ = "1.4.0"\n')
+    (site / "tensorrt_llm" / "executor").mkdir()
+    (site / "tensorrt_llm" / "executor" / "__init__.py").write_text("")
+    (site / "tensorrt_llm" / "executor" / "request.py").write_text(textwrap.dedent(LORA_REQUEST))
     with pytest.MonkeyPatch.context() as patch:
         # The build (a subprocess) finds the stand-in here.
         patch.setenv(
