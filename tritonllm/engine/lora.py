@@ -36,6 +36,9 @@ _TARGET = re.compile(r"(?:^|\.)layers\.([0-9]+)\.(?:self_attn|mlp)\.([a-z_]+)$")
 # Stacked tensors kept for the last few adapter sets (a step's prefill and its decode
 # usually differ): a stable batch reuses them every decode step.
 _STACKS_KEPT = 4
+# Adapter uids, unique in the process: the stacks of a model's wrapped layers are kept
+# by uid, whichever cache (engine) an adapter came from.
+_UIDS = itertools.count(1)
 
 
 class LoraCacheFull(RuntimeError):
@@ -90,7 +93,6 @@ class AdapterCache:
         self.max_rank, self.budget_bytes = max_rank, budget_bytes
         self.dtype, self.device = dtype, device
         self._adapters: OrderedDict[int, Adapter] = OrderedDict()  # least recent first
-        self._uids = itertools.count(1)
         self._lock = threading.Lock()
 
     @property
@@ -170,7 +172,7 @@ class AdapterCache:
             a = torch.from_numpy(d.a.T.copy()).to(self.device, self.dtype)
             b = torch.from_numpy(d.b.T.copy()).to(self.device, self.dtype)
             weights[d.layer, d.module] = (a, b)
-        return Adapter(task_id, next(self._uids), weights)
+        return Adapter(task_id, next(_UIDS), weights)
 
 
 class LoraLinear(nn.Module):
