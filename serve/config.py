@@ -289,11 +289,8 @@ class ModelConfig(_Strict):
     def _lora_on_one_base(self) -> ModelConfig:
         if self.lora is None:
             return self
-        if self.task != "generate" or self.engine != "triton":
-            raise ValueError(
-                "lora serves adapters of a generate model on Triton (engine: vllm: "
-                "vllm.llm_config.lora_config)"
-            )
+        if self.task != "generate":
+            raise ValueError("lora serves adapters of a generate model (task: generate)")
         if self.variants:
             # An adapter is a delta of one base checkpoint; in a pool each variant is
             # another checkpoint, and both would share the replica's one multiplexer.
@@ -301,7 +298,8 @@ class ModelConfig(_Strict):
         return self
 
     def adapter_id(self, adapter: str) -> str:
-        """The id an adapter of this model is listed and answered as."""
+        """The id an adapter of this model is listed and answered as, and its Serve
+        multiplexed model id (as Ray Serve LLM's)."""
         return f"{self.id}:{adapter}"
 
     def entry_model(self, variant: str | None = None) -> str:

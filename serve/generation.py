@@ -51,11 +51,6 @@ class GenerateParams:
     lora_task_id: int | None = None
     lora_tensors: LoraTensors | None = field(default=None, compare=False, repr=False)
 
-    @property
-    def multiplexed_model_id(self) -> str:
-        """What Serve's multiplexing loads and routes by ("": nothing to load)."""
-        return self.variant or self.adapter or ""
-
 
 @dataclass(frozen=True)
 class TopLogProbs:

@@ -246,8 +246,9 @@ class OpenAIIngress:
         """The replica's chunks, with errors mapped and the latency figures recorded."""
         # A variant or an adapter goes to a replica that already holds it (Serve's
         # multiplexing).
+        adapter = params.adapter and model.adapter_id(params.adapter)
         handle = self.replicas[model.id].options(
-            stream=True, multiplexed_model_id=params.multiplexed_model_id
+            stream=True, multiplexed_model_id=adapter or params.variant or ""
         )
         metrics = self.metrics.model(params.variant or model.id)
         responses = chunk = None

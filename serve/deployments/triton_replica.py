@@ -74,8 +74,8 @@ class TritonReplica:
             config = json.loads((checkpoint / "config.json").read_text())
             self._module_shapes = lora.llama_module_shapes(config)
 
-            async def load_adapter(name: str) -> LoadedAdapter:
-                return await self._load_adapter(name)
+            async def load_adapter(adapter_id: str) -> LoadedAdapter:
+                return await self._load_adapter(adapter_id.rpartition(":")[2])
 
             self._adapter = serve.multiplexed(
                 max_num_models_per_replica=model.lora.max_num_adapters_per_replica
@@ -100,26 +100,32 @@ class TritonReplica:
         """The adapter's task id, with its weights until the engine has taken them once;
         an engine that no longer holds them (its cache evicted them) answers a cache
         miss before any token, and the request goes again with the weights."""
-        loaded = await self._adapter(params.adapter)
-        with_weights = not loaded.in_engine
+        # Keyed by the multiplexed model id the ingress routed by: <base>:<adapter>.
+        loaded = await self._adapter(self.model.adapter_id(params.adapter))
+        with_weights, started = not loaded.in_engine, False
         try:
-            async with aclosing(
-                self.host.generate(loaded.request(params, with_weights), triton_model)
-            ) as chunks:
-                async for chunk in chunks:
-                    loaded.in_engine = True
-                    yield chunk
+            async for chunk in self._adapter_attempt(loaded, params, with_weights, triton_model):
+                started = True
+                yield chunk
             return
         except GenerationError as error:
-            if loaded.in_engine or with_weights or not contract.LORA_CACHE_MISS.search(str(error)):
+            miss = contract.LORA_CACHE_MISS.search(str(error))
+            if started or with_weights or not miss:
                 raise
         log.info("engine no longer holds adapter %s: resending its weights", params.adapter)
-        resend = dataclasses.replace(
-            loaded.request(params, True), request_id=f"{params.request_id}.w"
-        )
-        async with aclosing(self.host.generate(resend, triton_model)) as chunks:
+        resend = dataclasses.replace(params, request_id=f"{params.request_id}.w")
+        async for chunk in self._adapter_attempt(loaded, resend, True, triton_model):
+            yield chunk
+
+    async def _adapter_attempt(
+        self, loaded: LoadedAdapter, params: GenerateParams, with_weights: bool, model: str
+    ) -> AsyncIterator[GenerationChunk]:
+        # aclosing: a caller that goes away stops the engine's sequence at once.
+        async with aclosing(
+            self.host.generate(loaded.request(params, with_weights), model)
+        ) as chunks:
             async for chunk in chunks:
-                loaded.in_engine = True
+                loaded.in_engine = True  # the engine took the request: it holds the adapter
                 yield chunk
 
     async def _load_adapter(self, name: str) -> LoadedAdapter:

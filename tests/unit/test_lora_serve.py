@@ -16,10 +16,11 @@ from safetensors.torch import save_file
 from serve.adapters import AdapterCatalog, list_adapters, read_adapter
 from serve.api.errors import NotFound
 from serve.config import AppConfig, ModelConfig
-from serve.generation import GenerateParams
+from serve.generation import GenerateParams, GenerationChunk
+from serve.triton.host import GenerationError
 from serve.triton.requests import ensemble_inputs
 from tests.unit.test_http_api import FakeBackend, client, error_of
-from tritonllm import lora
+from tritonllm import contract, lora
 
 BASE = {"hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1}
 BASE |= {"intermediate_size": 12, "num_hidden_layers": 2}
@@ -60,7 +61,7 @@ def test_lora_section_takes_ray_serve_llm_names_and_defaults():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"task": "embed"}, "generate model"),
+        ({"task": "embed"}, "task: generate"),
         ({"variants": ["ft-a"]}, "lora and variants do not mix"),
     ],
 )
@@ -139,7 +140,6 @@ def test_an_adapters_request_carries_it_and_is_answered_as_base_colon_adapter():
     assert answer["model"] == "base:support-v2"
     (params,) = backend.params
     assert (params.adapter, params.variant) == ("support-v2", None)
-    assert params.multiplexed_model_id == "support-v2"
 
 
 # -- the codec ------------------------------------------------------------------------
@@ -264,3 +264,54 @@ def test_the_ingress_answers_404_naming_an_adapter_not_in_the_directory(tmp_path
     asyncio.run(ingress._require_adapter(model, "a"))
     with pytest.raises(NotFound, match="'base:b' does not exist: 'base' has no adapter 'b'"):
         asyncio.run(ingress._require_adapter(model, "b"))
+
+
+# -- the replica: weights once, the id after, the weights again on a cache miss ---------
+
+
+class EngineHost:
+    """Answers like the torch engine: a cache miss for an id it does not hold."""
+
+    def __init__(self):
+        self.held: set[int] = set()
+        self.sent: list[GenerateParams] = []
+
+    async def generate(self, params, triton_model):
+        self.sent.append(params)
+        if params.lora_tensors is not None:
+            self.held.add(params.lora_task_id)
+        elif params.lora_task_id not in self.held:
+            raise GenerationError(contract.lora_cache_miss(params.lora_task_id), "invalid")
+        yield GenerationChunk("x", 1, 1)
+
+    def stop(self):
+        pass
+
+
+def test_the_replica_sends_the_weights_once_and_again_when_the_engine_lost_them(tmp_path):
+    from serve.deployments.triton_replica import LoadedAdapter, TritonReplica
+
+    write_adapter(tmp_path / "a")
+    loaded = LoadedAdapter(read_adapter(str(tmp_path), "a"))
+    replica = object.__new__(TritonReplica)
+    replica.model = ModelConfig.model_validate(lora_model(tmp_path))
+    replica.host = host = EngineHost()
+
+    async def adapter(adapter_id):
+        assert adapter_id == "base:a"  # the multiplexed model id the ingress routes by
+        return loaded
+
+    replica._adapter = adapter
+
+    async def ask():
+        params = GenerateParams(prompt="p", max_tokens=1, adapter="a", request_id="r")
+        return [c.text async for c in replica.generate(params)]
+
+    assert asyncio.run(ask()) == ["x"]  # the weights with the first request
+    assert asyncio.run(ask()) == ["x"]  # the id alone
+    host.held.clear()  # the engine's cache evicted it
+    assert asyncio.run(ask()) == ["x"]  # a miss, then the weights again
+    weights = [p.lora_tensors is not None for p in host.sent]
+    assert weights == [True, False, False, True]
+    assert {p.lora_task_id for p in host.sent} == {loaded.adapter.task_id}
+    assert host.sent[-1].request_id == "r.w"  # a new Triton request id for the resend
