@@ -64,6 +64,7 @@ SOAK_ARGS   ?=
 
 .PHONY: venv venv-dev vllm-env engines run triton triton-embeddings test test-unit lint \
 	redis bench bench-capacity bench-engine bench-embeddings bench-prefix bench-structured \
+	bench-lora \
 	soak gpu-smoke \
 	clean-engines clean
 
@@ -210,3 +211,9 @@ bench-prefix: venv-dev
 # compile time for a 20-field schema (build/bench-structured/results.json and tables).
 bench-structured: venv-dev
 	$(PY) -m bench.structured --repository $(REPO) $(BENCH_ARGS)
+
+# LoRA adapters vs the base on one stack over $(REPO): 16 streams on the base, 16 spread
+# over 8 adapters (PEFT, made in the run), alternated over 3 rounds; tokens/s and the
+# ratio, and a cold vs a cached adapter's first-request TTFT (build/bench-lora/results.json).
+bench-lora: venv-dev engines
+	$(PY) -m bench.lora --repository $(REPO) $(BENCH_ARGS)
