@@ -269,7 +269,7 @@ class ModelConfig(_Strict):
             if self.task != "generate" or self.variants:
                 raise ValueError(
                     "engine: vllm serves task: generate without variants (LoRA adapters: "
-                    "vllm.llm_config.lora_config)"
+                    "a lora: section, Ray Serve LLM's lora_config)"
                 )
         elif self.vllm is not None:
             raise ValueError("a vllm section needs engine: vllm")

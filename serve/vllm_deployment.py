@@ -25,10 +25,19 @@ OPTIONS_TIMEOUT_S = 300.0  # a first start of the vLLM environment's worker impo
 
 def llm_config(model: ModelConfig, deployment: dict[str, Any]) -> dict[str, Any]:
     """Ray Serve LLM's ``LLMConfig`` of ``model`` as a dict: the passed-through fields,
-    the model's id and checkpoint, ``deployment`` (Serve options) and the vLLM
-    environment's interpreter in the runtime_env."""
+    the model's ``lora:`` section (:func:`lora_llm_config`), the model's id and
+    checkpoint, ``deployment`` (Serve options) and the vLLM environment's interpreter
+    in the runtime_env."""
     vllm = model.vllm
     given = dict(vllm.llm_config)
+    if model.lora is not None:
+        lora = model.lora
+        given = lora_llm_config(
+            given,
+            lora.dynamic_lora_loading_path,
+            lora.max_num_adapters_per_replica,
+            lora.max_lora_rank,
+        )
     runtime_env = dict(given.pop("runtime_env", None) or {})
     runtime_env["py_executable"] = str(vllm.python_path())
     return given | {

@@ -346,3 +346,29 @@ def test_the_rank_bound_is_rounded_up_to_one_vllm_takes(rank, vllm_rank):
 def test_lora_settings_ray_serve_llm_or_vllm_would_refuse_are_named(given, path, message):
     with pytest.raises(ValueError, match=message):
         lora_llm_config(given, path, 16, 64)
+
+
+def test_a_vllm_models_lora_section_reaches_its_llm_config():
+    lora = {"dynamic_lora_loading_path": "s3://bucket/adapters", "max_lora_rank": 16}
+    model = vllm_model(
+        lora=lora,
+        vllm={"checkpoint": "ckpt", "llm_config": {"engine_kwargs": {"dtype": "float32"}}},
+    )
+    config = llm_config(model, {"num_replicas": 1})
+    assert config["lora_config"] == {
+        "dynamic_lora_loading_path": "s3://bucket/adapters",
+        "max_num_adapters_per_replica": 16,  # serve/config.py's default, Ray Serve LLM's too
+    }
+    assert config["engine_kwargs"] == {
+        "dtype": "float32",
+        "enable_lora": True,
+        "max_lora_rank": 16,
+        "max_loras": 16,
+    }
+    # Clients name an adapter `<id>:<adapter>`, Ray Serve LLM's own form (its base id
+    # before the colon, the adapter's folder under the path after it).
+    assert model.adapter_id("sql") == "v:sql"
+    assert "lora_config" not in llm_config(vllm_model(), {})
+    local = vllm_model(lora={"dynamic_lora_loading_path": "adapters"})
+    with pytest.raises(ValueError, match="engine: triton"):
+        llm_config(local, {})
