@@ -31,6 +31,9 @@ class AdapterCatalog:
     """The adapters found in one directory, listed at most once per ``ttl_s``."""
 
     def __init__(self, url: str, ttl_s: float = LISTING_TTL_S):
+        # Opened now: a URL fsspec cannot open (an unknown protocol, its package such
+        # as s3fs not installed) fails the ingress's start naming why, not each request.
+        _filesystem(url)
         self.url = url
         self.ttl_s = ttl_s
         self._names: frozenset[str] = frozenset()

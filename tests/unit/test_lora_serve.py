@@ -315,3 +315,9 @@ def test_the_replica_sends_the_weights_once_and_again_when_the_engine_lost_them(
     assert weights == [True, False, False, True]
     assert {p.lora_task_id for p in host.sent} == {loaded.adapter.task_id}
     assert host.sent[-1].request_id == "r.w"  # a new Triton request id for the resend
+
+
+def test_a_directory_url_fsspec_cannot_open_fails_at_start():
+    # As a URL whose filesystem package (s3fs, gcsfs, ...) is not installed.
+    with pytest.raises(ValueError, match="Protocol not known: nosuchprotocol"):
+        AdapterCatalog("nosuchprotocol://bucket/adapters")
