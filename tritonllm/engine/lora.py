@@ -193,9 +193,10 @@ class LoraLinear(nn.Module):
 
 @dataclass
 class _Stacks:
-    """The adapters of a set stacked per (layer, module): ``[n, in, r]`` and
-    ``[n, r, out]``, ``r`` the set's largest rank for that module, index 0 all zeros
-    when the set has base rows."""
+    """The adapters of a set stacked per (layer, module): ``a`` ``[in, n, r]`` and
+    ``b`` ``[n, r, out]``, ``r`` the set's largest rank for that module, adapter 0 all
+    zeros when the set has base rows. ``a`` is laid out so that ``a.flatten(1)`` and
+    ``b.flatten(0, 1)`` are every adapter side by side, without a copy."""
 
     index: dict[int | None, int]  # adapter uid (None: the base) -> its index
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -205,14 +206,33 @@ class _Stacks:
 class _Plan:
     rows: torch.Tensor  # [rows] each row's index into the stacks
     stacks: _Stacks
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by rank
 
     def add_delta(self, key, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         pair = self.stacks.tensors.get(key)
         if pair is None:  # no adapter of the batch targets this module
             return out
         a, b = pair
-        low = torch.bmm(x, a[self.rows])  # [rows, tokens, r]
-        return out.baddbmm_(low, b[self.rows])
+        if x.shape[1] == 1:
+            # Decode: every row through all of the batch's adapters side by side, masked
+            # to its own. Two plain products read each adapter once; gathering per row
+            # would copy an adapter once per row of it (on CPU, 2x slower at 16 rows).
+            low = (x[:, 0] @ a.flatten(1)).mul_(self._mask(a.shape[2], x.dtype))
+            out[:, 0].addmm_(low, b.flatten(0, 1))
+            return out
+        # Prefill: each row's adapter gathered, then batched products over its tokens
+        # (the side-by-side products would cost every adapter's FLOPs per token).
+        low = torch.bmm(x, a.transpose(0, 1).index_select(0, self.rows))  # [rows, tokens, r]
+        return out.baddbmm_(low, b.index_select(0, self.rows))
+
+    def _mask(self, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, n * rank]``: 1 on each row's own adapter's columns."""
+        mask = self.masks.get(rank)
+        if mask is None:
+            count = len(self.stacks.index)
+            own = torch.nn.functional.one_hot(self.rows, count).to(dtype)
+            mask = self.masks[rank] = own.repeat_interleave(rank, dim=1)
+        return mask
 
 
 class BatchedLora:
@@ -283,10 +303,10 @@ def _stack(adapters: list[Adapter], has_base: bool) -> _Stacks:
         pairs = [(i, a.weights[key]) for i, a in enumerate(adapters) if key in a.weights]
         sample_a, sample_b = pairs[0][1]
         rank = max(a.shape[1] for _, (a, _) in pairs)
-        a_stack = sample_a.new_zeros((count, sample_a.shape[0], rank))
+        a_stack = sample_a.new_zeros((sample_a.shape[0], count, rank))
         b_stack = sample_b.new_zeros((count, rank, sample_b.shape[1]))
         for i, (a, b) in pairs:
-            a_stack[offset + i, :, : a.shape[1]] = a
+            a_stack[:, offset + i, : a.shape[1]] = a
             b_stack[offset + i, : b.shape[0]] = b
         stacks.tensors[key] = (a_stack, b_stack)
     return stacks
