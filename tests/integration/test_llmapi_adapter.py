@@ -180,3 +180,30 @@ def test_an_abandoned_stream_frees_the_engine(llmapi_host):
     # The next request is answered: the cancelled one did not keep the (one) loop busy.
     chunks = collect(llmapi_host, GenerateParams("The cat", 4))
     assert chunks[-1].finish_reason in ("length", "stop")
+
+
+def test_an_adapter_sent_once_answers_as_peft_and_then_by_its_id_alone(
+    llmapi_host, checkpoint_dir, tokenizer, hf_model, tmp_path
+):
+    """The contract's LoRA tensors -> a PEFT directory -> the LLM API's LoRARequest (the
+    stand-in loads it with PEFT): the answer is PEFT's own greedy one for that adapter."""
+    from tests.lora_adapters import SPECS, make_adapter
+    from tritonllm.contract import lora_cache_miss
+
+    adapter = make_adapter(checkpoint_dir, SPECS[0], 3, tmp_path / "adapter", task_id=11)
+    prompt, max_tokens = "Where is the river?", 12
+    expected = hf_greedy(adapter.model, tokenizer, prompt, max_tokens)
+    assert expected != hf_greedy(hf_model, tokenizer, prompt, max_tokens)
+
+    def answer(**lora) -> str:
+        chunks = collect(llmapi_host, GenerateParams(prompt, max_tokens, **lora))
+        return "".join(c.text for c in chunks)
+
+    with pytest.raises(Exception, match=lora_cache_miss(11)):
+        answer(lora_task_id=11)  # not sent yet: the caller is told to send the weights
+    want = tokenizer.decode(expected, skip_special_tokens=True)
+    assert answer(lora_task_id=11, lora_tensors=adapter.tensors) == want
+    assert answer(lora_task_id=11) == want  # held now: the id alone
+    assert answer() == tokenizer.decode(
+        hf_greedy(hf_model, tokenizer, prompt, max_tokens), skip_special_tokens=True
+    )
