@@ -128,13 +128,16 @@ async def run(args, url: str, adapters: Path) -> dict:
             # Listed first: the figure is the replica's load and the engine's upload,
             # not the ingress's listing interval.
             await wait_listed(url, f"{MODEL}:{cold}")
-            prompt = prompts[k]
+            # Fresh prompts of one length: no prefix cache hit helps any of the three.
+            fresh = make_prompts(3, args.prompt_words, seed=1000 + 10 * round_ + k)
             first_tokens.append(
                 {
                     "round": round_,
-                    "cold_ms": await ttft_ms(single, f"{MODEL}:{cold}", prompt, args.output_len),
-                    "cached_ms": await ttft_ms(single, f"{MODEL}:{cold}", prompt, args.output_len),
-                    "base_ms": await ttft_ms(single, MODEL, prompt, args.output_len),
+                    "cold_ms": await ttft_ms(single, f"{MODEL}:{cold}", fresh[0], args.output_len),
+                    "cached_ms": await ttft_ms(
+                        single, f"{MODEL}:{cold}", fresh[1], args.output_len
+                    ),
+                    "base_ms": await ttft_ms(single, MODEL, fresh[2], args.output_len),
                 }
             )
             console.log(f"round {round_} TTFT: {first_tokens[-1]}")
@@ -195,7 +198,7 @@ def parse_args(argv):
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
-        "--cold-per-round", type=int, default=3, help="cold adapters timed after each round"
+        "--cold-per-round", type=int, default=5, help="cold adapters timed after each round"
     )
     p.add_argument("--target", type=float, default=0.8, help="adapters/base tokens/s")
     p.add_argument(
