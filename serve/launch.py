@@ -14,11 +14,23 @@ images, compose and the RayService set the same ones).
 
 ``--mode default`` runs Ray Serve as it comes (its Python HTTP proxy, Ray's object
 streaming between replicas).
+
+Beyond loopback the API needs keys: with ``--host`` (or the config's host) anything but
+a loopback address and no key configured, it refuses to start unless ``--allow-open-api``
+(or ``TRITONLLM_OPEN_API=1``) says an open API is intended.
+
+``serve run`` runs in a process group of its own, so that a SIGTERM or SIGINT for this
+process's group (``docker stop``, systemd, Kubernetes, a terminal's Ctrl-C) reaches
+only this process, which passes it on as one SIGINT: Serve's own clean stop of Ray,
+HAProxy and the Tritons, as Ctrl-C does. ``serve run`` gets SIGINT as well if this
+process dies without passing it on.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ipaddress
 import json
 import os
 import shutil
@@ -132,14 +144,89 @@ def greeting(config: dict) -> str:
     )
 
 
+# Set to 1 where an API without keys beyond loopback is intended (the same as
+# --allow-open-api; `make run OPEN_API=1`).
+OPEN_API_ENV = "TRITONLLM_OPEN_API"
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def keyless_apps(config: dict) -> list[str]:
+    """The applications of ``config`` that would serve without an API key here."""
+    from serve.api.auth import load_api_keys
+    from serve.config import APIKeys
+
+    keyless = []
+    for app in config.get("applications", []):
+        api_keys = APIKeys.model_validate(app.get("args", {}).get("api_keys", {}))
+        try:
+            keys = load_api_keys(api_keys.env, api_keys.file)
+        except OSError:
+            keys = frozenset()
+        if not keys:
+            keyless.append(app.get("name", "default"))
+    return keyless
+
+
+def open_api_refusal(config: dict, allow_open_api: bool) -> str | None:
+    """Why ``config`` must not start here (an open API beyond loopback), or None."""
+    host = config.get("http_options", {}).get("host", "127.0.0.1")
+    if is_loopback(host) or allow_open_api or os.environ.get(OPEN_API_ENV) == "1":
+        return None
+    apps = keyless_apps(config)
+    if not apps:
+        return None
+    return (
+        f"refusing to serve an API without keys on {host} (application "
+        f"{', '.join(apps)}): anyone who reaches this machine could use it.\n"
+        "  Set keys:     export TRITONLLM_API_KEYS=$(openssl rand -hex 16)   "
+        "(comma-separated; or api_keys.file in the config)\n"
+        "  or opt in:    make run HOST=... OPEN_API=1   (python -m serve.launch "
+        f"--allow-open-api, or {OPEN_API_ENV}=1)\n"
+        "  or stay local: HOST=127.0.0.1 (the default)"
+    )
+
+
+def _own_group_and_sigint_on_parent_death() -> None:
+    """In the child before exec: a process group of its own, and SIGINT when the
+    process that started it dies (PR_SET_PDEATHSIG)."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m serve.launch", description=__doc__)
     p.add_argument("config", type=Path, help="a Serve config file (serve/config.yaml)")
     p.add_argument("--mode", choices=SERVE_MODES, default="throughput")
     p.add_argument("--host", help="the address Serve's proxy listens on (0.0.0.0: every one)")
     p.add_argument("--port", type=int, help="the port Serve's proxy listens on")
+    p.add_argument(
+        "--allow-open-api",
+        action="store_true",
+        help="serve beyond loopback without API keys (refused otherwise)",
+    )
+    p.add_argument(
+        "--check-exposure",
+        action="store_true",
+        help="only check that the config may listen where it says (exit 2 if not)",
+    )
     args = p.parse_args(argv)
     config = with_http_options(yaml.safe_load(args.config.read_text()), args.host, args.port)
+    refusal = open_api_refusal(config, args.allow_open_api)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
+    if args.check_exposure:
+        return 0
     scratch = private_haproxy_dir()  # HAProxy's files and the config that runs
     config_path = scratch / "serve.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -149,20 +236,30 @@ def main(argv: list[str] | None = None) -> int:
     # that `ray start` left on this machine (another stack, a test cluster) and
     # replaces its application. RAY_ADDRESS in the environment still picks one.
     address = os.environ.get("RAY_ADDRESS") or "local"
-    process = subprocess.Popen(
-        [serve, "run", "--address", address, str(config_path)],
-        env=LOCAL_ENV | serve_env(args.mode, scratch),
-    )
-    # A SIGTERM for this process stops serve run as a Ctrl-C would.
-    signal.signal(signal.SIGTERM, lambda *_: process.send_signal(signal.SIGINT))
+    # SIGINT and SIGTERM for this process (its group's, a terminal's Ctrl-C) stop
+    # serve run as one Ctrl-C would, once: a second SIGINT would cut Serve's own stop
+    # short (make passes its SIGTERM on to this process as well). Set before the
+    # start, so that none is missed meanwhile.
+    process: subprocess.Popen | None = None
+    stopping = False
+
+    def stop(*_) -> None:
+        nonlocal stopping
+        if process is not None and not stopping and process.poll() is None:
+            process.send_signal(signal.SIGINT)
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     try:
-        # Ctrl-C reaches serve run too (one terminal process group): it stops Serve,
-        # Ray, HAProxy and the Triton children; this process only waits for that.
-        while True:
-            try:
-                return process.wait()
-            except KeyboardInterrupt:
-                continue
+        process = subprocess.Popen(
+            [serve, "run", "--address", address, str(config_path)],
+            env=LOCAL_ENV | serve_env(args.mode, scratch),
+            preexec_fn=_own_group_and_sigint_on_parent_death,
+        )
+        if stopping:  # a signal came while it started
+            process.send_signal(signal.SIGINT)
+        return process.wait()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -1,4 +1,6 @@
-"""``make run`` in a terminal: it answers, and Ctrl-C stops every process it started.
+"""``make run`` in a terminal: it answers, listens on loopback only, and Ctrl-C (or a
+SIGTERM to its process group, as ``docker stop``, systemd and Kubernetes send) stops
+every process it started and frees their ports.
 
 The test is the user: ``make run`` in a pseudo-terminal of its own, the interrupt
 character typed once the app answers. Ray's processes, HAProxy and the Tritons do not
@@ -12,6 +14,7 @@ import os
 import pty
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import termios
@@ -24,9 +27,13 @@ import pytest
 from serve.triton.launcher import free_port
 from tests.conftest import ROOT
 from tests.integration.test_serve_app import wait_ready
+from tests.processes import is_loopback_address, listener_sockets, listening_inodes
 
 pytestmark = pytest.mark.integration
-STOP_WITHIN_S = 15
+# Serve stops its replicas, their Tritons, then Ray: 12-28 s measured with other stacks
+# running (load average up to 13 on 2 cores); well within the drain time a stopping
+# replica gets with requests in flight (132 s for serve/config.yaml's LLM).
+STOP_WITHIN_S = 60
 
 
 def wait_for_tritons(marker: bytes, count: int, timeout_s: float) -> dict[int, str]:
@@ -116,8 +123,37 @@ def kinds(processes: dict[int, str]) -> set[str]:
     return {kind for cmd in processes.values() for key, kind in parts.items() if key in cmd}
 
 
-def test_ctrl_c_on_make_run_stops_serve_ray_haproxy_and_every_triton(
-    built_repository, built_embedding_repository, tmp_path
+def sockets_of(processes: dict[int, str]) -> dict[str, tuple[str, int, str]]:
+    """Inode -> (address, port, command) of every listening socket of ``processes``."""
+    held = {}
+    for pid, cmd in processes.items():
+        try:
+            sockets = listener_sockets(pid)
+        except OSError:  # gone meanwhile
+            continue
+        held |= {inode: (host, port, cmd.split(" ")[0]) for inode, (host, port) in sockets.items()}
+    return held
+
+
+def serve_ports(running: dict[int, str]) -> set[int]:
+    """The ports serve/launch.py gave Serve's HTTP parts (in serve run's environment)."""
+    pid = next(pid for pid, cmd in running.items() if "serve run" in cmd)
+    env = dict(
+        item.split("=", 1)
+        for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
+        if "=" in item
+    )
+    ports = {
+        int(env[f"RAY_SERVE_{name}_PORT"]) for name in ("FALLBACK_PROXY_HTTP", "HAPROXY_STATS")
+    }
+    ports.add(int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]))
+    low, high = (int(env[f"RAY_SERVE_DIRECT_INGRESS_{e}_HTTP_PORT"]) for e in ("MIN", "MAX"))
+    return ports | set(range(low, high + 1))
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_make_run_listens_on_loopback_and_stops_every_process_and_port(
+    stop, built_repository, built_embedding_repository, tmp_path
 ):
     ray_tmp = tempfile.mkdtemp(prefix="mkrun", dir="/tmp")  # short: Ray's socket paths
     marker = f"RAY_TMPDIR={ray_tmp}".encode()
@@ -132,12 +168,31 @@ def test_ctrl_c_on_make_run_stops_serve_ray_haproxy_and_every_triton(
         # can hold the ingress replicas' default port and answer /health first.
         running = wait_for_tritons(marker, count=2, timeout_s=240)
         assert {"serve run", "raylet", "gcs_server", "haproxy"} <= kinds(running), running
+        # `ss -ltn` for the stack's processes: with the default host, what serves
+        # HTTP listens on loopback only: the API, HAProxy's stats and Prometheus ports,
+        # Serve's fallback proxy and the ingress replicas' own ports, every Triton.
+        # (Ray's own gRPC servers bind every interface, as Ray 2.60 always does.)
+        sockets = sockets_of(running)
+        held = set(sockets.values())
+        assert port in {p for _, p, _ in held}, held
+        served = serve_ports(running) | {port}
+        ours = {h for h in held if h[1] in served or "haproxy" in h[2] or "tritonserver" in h[2]}
+        assert len(ours) >= 5, held  # the API, 2 of HAProxy's, 2 Tritons' at least
+        beyond = {h for h in ours if not is_loopback_address(h[0])}
+        assert not beyond, f"listening beyond loopback: {sorted(beyond)}"
 
-        terminal.interrupt()
+        if stop == "ctrl-c":
+            terminal.interrupt()
+        else:  # the session's one process group: make, and what stayed in it
+            os.killpg(terminal.pid, signal.SIGTERM)
         took, left = wait_for_exit(marker, STOP_WITHIN_S)
-        assert not left, f"still running {STOP_WITHIN_S} s after Ctrl-C: {kinds(left)} {left}"
+        assert not left, f"still running {STOP_WITHIN_S} s after {stop}: {kinds(left)} {left}"
         assert terminal.exited(), terminal.tail()
-        print(f"everything stopped {took:.1f} s after Ctrl-C")
+        # Their sockets closed: a port of Ray's fixed defaults (the dashboard agent's
+        # 52365) may be another Ray instance's on this machine by then.
+        still = sorted(sockets[inode] for inode in set(sockets) & listening_inodes())
+        assert not still, f"sockets still listening after {stop}: {still}"
+        print(f"everything stopped {took:.1f} s after {stop}, {len(held)} ports free")
     finally:
         for pid in processes_with(marker):
             os.kill(pid, signal.SIGKILL)
@@ -146,3 +201,19 @@ def test_ctrl_c_on_make_run_stops_serve_ray_haproxy_and_every_triton(
             os.waitpid(terminal.pid, 0)
         os.close(terminal.fd)
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_make_run_beyond_loopback_without_keys_exits_saying_how_to_set_them(
+    built_repository, built_embedding_repository
+):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITONLLM_API_KEYS",)}
+    env.pop("TRITONLLM_OPEN_API", None)
+    argv = ["make", "run", "NO_VENV=1", f"PYTHON={sys.executable}", "HOST=0.0.0.0"]
+    argv.append(f"PORT={free_port()}")
+    started = time.monotonic()
+    done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert "refusing to serve an API without keys on 0.0.0.0" in done.stderr, done.stderr
+    assert "TRITONLLM_API_KEYS" in done.stderr and "OPEN_API=1" in done.stderr
+    assert "Serving on" not in done.stdout
+    print(f"refused after {time.monotonic() - started:.1f} s")
