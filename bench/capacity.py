@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import cpu
-from bench.common import ROOT, build_bench_repository, make_prompts
+from bench.common import ROOT, build_bench_repository, make_prompts, stop_on_sigterm
 from bench.loadgen import OpenAITarget, TritonTarget, run_level
 from bench.serving import MODEL, NicedTriton, machine, measured_level, serve_run
 from serve.launch import SERVE_MODES
@@ -267,6 +267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()
     args = parse_args(argv)
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -8,11 +8,27 @@ same prompts to the same ~30M-parameter model, built into a scratch repository u
 from __future__ import annotations
 
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def stop_on_sigterm() -> None:
+    """A SIGTERM (``docker stop``, systemd, a kill of the process group) ends the
+    benchmark as Ctrl-C does: it raises KeyboardInterrupt, so the stacks and servers it
+    started (each in a session of its own, out of reach of that group's signals) are
+    stopped on the way out. Once: make passes its own SIGTERM on as well, and a second
+    interrupt would cut that stop short."""
+
+    def interrupt(*_) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
 
 WORDS = (
     "the a robot cat river town teacher letter server request builds sends answers near "

@@ -32,7 +32,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import percentile
+from bench.common import percentile, stop_on_sigterm
 
 ROOT = Path(__file__).resolve().parent.parent
 console = Console(soft_wrap=True, width=132)
@@ -288,6 +288,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()
     from build_engines.embeddings import EmbeddingsOptions
     from build_engines.targets.base import DynamicBatching
 

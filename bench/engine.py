@@ -34,6 +34,7 @@ from bench.common import (
     checkpoint_dir,
     make_prompts,
     percentile,
+    stop_on_sigterm,
 )
 
 console = Console(soft_wrap=True, width=132)
@@ -293,6 +294,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()
     import torch
 
     from serve.triton.launcher import TritonProcess

@@ -36,7 +36,14 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from bench.common import ROOT, WORDS, build_bench_repository, checkpoint_dir, make_prompts
+from bench.common import (
+    ROOT,
+    WORDS,
+    build_bench_repository,
+    checkpoint_dir,
+    make_prompts,
+    stop_on_sigterm,
+)
 from bench.loadgen import OpenAITarget, run_level, summarize
 from bench.serving import serve_run
 from serve.triton.launcher import free_port
@@ -286,6 +293,7 @@ def _median_ratio(results: list[dict], key: str, over: str = "on", under: str = 
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()
     args = parse_args(argv)
     # Absolute: the replicas' Tritons are found by the repository path on their
     # command lines, which Serve's config makes absolute.

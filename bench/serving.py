@@ -47,7 +47,7 @@ import yaml
 from rich.console import Console
 
 from bench import cpu, report
-from bench.common import ROOT, build_bench_repository, checkpoint_dir, make_prompts
+from bench.common import ROOT, build_bench_repository, checkpoint_dir, make_prompts, stop_on_sigterm
 from bench.loadgen import OpenAITarget, TritonTarget, run_level, summarize
 from serve.launch import SERVE_MODES, private_haproxy_dir, serve_env
 from serve.triton.launcher import TritonProcess
@@ -472,6 +472,7 @@ class NicedTriton(TritonProcess):
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()
     args = parse_args(argv)
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)

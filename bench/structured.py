@@ -53,7 +53,7 @@ from rich.table import Table
 
 from bench import cpu
 from bench.capacity import stack_config
-from bench.common import ROOT, checkpoint_dir
+from bench.common import ROOT, checkpoint_dir, stop_on_sigterm
 from bench.loadgen import OpenAITarget, RequestRecord, run_level, summarize
 from bench.serving import MODEL, machine, serve_run
 from serve.launch import SERVE_MODES
@@ -408,6 +408,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()
     from serve.triton.launcher import free_port
 
     args = parse_args(argv)
