@@ -85,12 +85,12 @@ class TritonReplica:
         triton_model = self.model.entry_model()
         if params.variant is not None:
             triton_model = (await self._variant(params.variant)).ensemble
-        # What Triton sends while this replica (or Ray's hop to the ingress) is busy
-        # leaves as one chunk: every yield is one Ray object, whatever it holds.
         if params.adapter is not None:
             chunks = self._generate_with_adapter(params, triton_model)
         else:
             chunks = self.host.generate(params, triton_model)
+        # What Triton sends while this replica (or Ray's hop to the ingress) is busy
+        # leaves as one chunk: every yield is one Ray object, whatever it holds.
         async for chunk in coalesce(chunks, self.model.stream_interval_ms / 1000):
             yield chunk
 
