@@ -11,6 +11,7 @@ request's ``model``.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from ray import serve
@@ -96,6 +97,7 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
         exclude={"num_replicas", "autoscaling_config", "ray_actor_options"}, exclude_none=True
     )
     options["graceful_shutdown_timeout_s"] = model.drain_timeout_s()
+    options["max_ongoing_requests"] = max_ongoing_requests(model)
     options["ray_actor_options"] = model.deployment.ray_actor_options.to_ray()
     if model.deployment.num_replicas is not None:
         options["num_replicas"] = model.deployment.num_replicas
@@ -154,7 +156,8 @@ def autoscaling(model: ModelConfig) -> AutoscalingConfig:
     """The model's autoscaling_config; ``target_ongoing_requests`` defaults to the
     engine's batch size: a replica scales out once its batch is full and more waits."""
     given = model.deployment.autoscaling_config
-    if given is not None and given.target_ongoing_requests is not None:
+    # Set in the config, not Serve's default of 2 (which it always holds).
+    if given is not None and "target_ongoing_requests" in given.model_fields_set:
         return given
     target = float(_batch_size(model))
     if given is None:
@@ -162,12 +165,43 @@ def autoscaling(model: ModelConfig) -> AutoscalingConfig:
     return given.model_copy(update={"target_ongoing_requests": target})
 
 
+def max_ongoing_requests(model: ModelConfig) -> int:
+    """A replica's ``max_ongoing_requests``. Unset: twice its autoscaling target (the
+    engine's batch size by default; with ``num_replicas``, the batch size): a full
+    batch running and as much again waiting in the engine's queue, so that a replica
+    fills its batch and, past its target, the autoscaler adds replicas while the
+    replicas still take requests. Given below the target it is refused: a replica
+    would never reach the target, and requests would queue and be shed with 503
+    before any scale-out."""
+    given = model.deployment.max_ongoing_requests
+    scaling = model.deployment.num_replicas is None
+    target = autoscaling(model).target_ongoing_requests if scaling else _batch_size(model)
+    if given is None:
+        return max(2 * math.ceil(target), 1)
+    if scaling and given < target:
+        raise ValueError(
+            f"model {model.id}: max_ongoing_requests {given} is below its autoscaling "
+            f"target of {target:g} ongoing requests per replica (target_ongoing_requests; "
+            "unset, the engine's batch size): a replica would never fill its batch, and "
+            "requests would be shed with 503 before it scales out. Raise "
+            f"max_ongoing_requests to at least {target:g} (unset: twice the target, "
+            f"{2 * math.ceil(target)}) or lower autoscaling_config.target_ongoing_requests"
+        )
+    return given
+
+
+# vLLM's running batch where a config sets neither its max_num_seqs nor the replica's
+# max_ongoing_requests.
+VLLM_DEFAULT_BATCH = 32
+
+
 def _batch_size(model: ModelConfig) -> int:
     if model.task != "generate":
         return 8  # an embeddings request is one short forward: a small target suffices
     if model.engine == "vllm":  # vLLM's running batch; unset: a full replica
         engine_kwargs = model.vllm.llm_config.get("engine_kwargs", {})
-        return engine_kwargs.get("max_num_seqs", model.deployment.max_ongoing_requests)
+        full = model.deployment.max_ongoing_requests or VLLM_DEFAULT_BATCH
+        return engine_kwargs.get("max_num_seqs", full)
     return repository.engine_batch_size(model.triton.repository_path(), model.engine_model())
 
 

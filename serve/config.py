@@ -158,8 +158,12 @@ class DeploymentOptions(_Strict):
         description="Serve's autoscaling_config; when unset, 1 to 1 replicas with "
         "target_ongoing_requests = the engine's batch size",
     )
-    max_ongoing_requests: int = Field(
-        32, ge=1, description="requests a replica holds at once (running + in its engine queue)"
+    max_ongoing_requests: int | None = Field(
+        None,
+        ge=1,
+        description="requests a replica holds at once (running + in its engine queue); "
+        "unset: twice the autoscaling target (the engine's batch size by default): a full "
+        "batch running and one more waiting; below the target it is refused",
     )
     max_queued_requests: int = Field(
         64, ge=-1, description="requests waiting for a replica before a 503 (-1: no bound)"
@@ -188,6 +192,18 @@ class DeploymentOptions(_Strict):
     def _one_scaling_mode(self) -> DeploymentOptions:
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("set num_replicas or autoscaling_config, not both")
+        scaling = self.autoscaling_config
+        # As the config sets it (Serve's model holds its default of 2 otherwise).
+        given = scaling is not None and "target_ongoing_requests" in scaling.model_fields_set
+        target = scaling.target_ongoing_requests if given else None
+        if target and self.max_ongoing_requests and self.max_ongoing_requests < target:
+            raise ValueError(
+                f"max_ongoing_requests {self.max_ongoing_requests} is below "
+                f"autoscaling_config.target_ongoing_requests {target:g}: a replica would "
+                "never reach its target, and requests would be shed with 503 before it "
+                "scales out; raise max_ongoing_requests (unset: twice the target) or lower "
+                "the target"
+            )
         return self
 
 

@@ -72,6 +72,9 @@ def test_tensorrt_llm_is_decoupled_with_its_parameters(configs):
         assert not config.parameters[key].string_value.startswith("$")
     # Opt-in, as in TensorRT-LLM (docs/cpu-engine.md): it cost more than it bought on CPU.
     assert config.parameters["enable_chunked_context"].string_value == "false"
+    # LoRA under TensorRT-LLM's parameter names: its default rank limit, a 256 MiB cache.
+    assert config.parameters["max_lora_rank"].string_value == "64"
+    assert config.parameters["lora_cache_host_memory_bytes"].string_value == str(256 * 2**20)
 
 
 def test_pre_and_postprocessing_name_the_tokenizer(configs):

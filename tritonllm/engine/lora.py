@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.contract import lora_cache_miss
@@ -186,7 +187,9 @@ class LoraLinear(nn.Module):
         self._owner = [owner]  # in a list: not registered as a submodule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
+        # The base layer's own function, not its module call: a forward without adapter
+        # rows then costs what it did before the wrapping.
+        out = F.linear(x, self.base.weight, self.base.bias)
         plan = self._owner[0].plan
         return out if plan is None else plan.add_delta(self.key, x, out)
 
@@ -195,11 +198,11 @@ class LoraLinear(nn.Module):
 class _Stacks:
     """The adapters of a set stacked per (layer, module): ``a`` ``[in, n, r]`` and
     ``b`` ``[n, r, out]``, ``r`` the set's largest rank for that module, adapter 0 all
-    zeros when the set has base rows. ``a`` is laid out so that ``a.flatten(1)`` and
-    ``b.flatten(0, 1)`` are every adapter side by side, without a copy."""
+    zeros when the set has base rows; then ``a.flatten(1)`` and ``b.flatten(0, 1)``:
+    every adapter side by side (views: ``a``'s layout makes them so)."""
 
     index: dict[int | None, int]  # adapter uid (None: the base) -> its index
-    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -212,13 +215,14 @@ class _Plan:
         pair = self.stacks.tensors.get(key)
         if pair is None:  # no adapter of the batch targets this module
             return out
-        a, b = pair
+        a, b, a_flat, b_flat = pair
+        rows = x.shape[0]
         if x.shape[1] == 1:
             # Decode: every row through all of the batch's adapters side by side, masked
             # to its own. Two plain products read each adapter once; gathering per row
             # would copy an adapter once per row of it (on CPU, 2x slower at 16 rows).
-            low = (x[:, 0] @ a.flatten(1)).mul_(self._mask(a.shape[2], x.dtype))
-            out[:, 0].addmm_(low, b.flatten(0, 1))
+            low = torch.mm(x.reshape(rows, -1), a_flat).mul_(self._mask(a.shape[2], x.dtype))
+            out.view(rows, -1).addmm_(low, b_flat)
             return out
         # Prefill: each row's adapter gathered, then batched products over its tokens
         # (the side-by-side products would cost every adapter's FLOPs per token).
@@ -308,5 +312,5 @@ def _stack(adapters: list[Adapter], has_base: bool) -> _Stacks:
         for i, (a, b) in pairs:
             a_stack[:, offset + i, : a.shape[1]] = a
             b_stack[offset + i, : b.shape[0]] = b
-        stacks.tensors[key] = (a_stack, b_stack)
+        stacks.tensors[key] = (a_stack, b_stack, a_stack.flatten(1), b_stack.flatten(0, 1))
     return stacks
