@@ -51,13 +51,19 @@ def response_store(config: AppConfig):
     return deployment.bind(config.responses.max_memory_bytes(), config.responses.ttl_s)
 
 
+# A share of a CPU no node lacks, so that these replicas, like every other, stay off a
+# head started with `--num-cpus=0`, which a cluster may lose (an actor that asks for no
+# CPU fits on any node, that head included): docker/kuberay/rayservice.yaml.
+TOKEN_CPUS = 0.01
+
+
 # One replica holds the latest metrics of every process (serve/metrics.py says why);
 # pushes and scrapes are short calls, so many may run at once.
 COLLECTOR_OPTIONS = {
     "name": "MetricsCollector",
     "num_replicas": 1,
     "max_ongoing_requests": 1000,
-    "ray_actor_options": {"num_cpus": 0},
+    "ray_actor_options": {"num_cpus": TOKEN_CPUS},
 }
 
 
@@ -67,7 +73,7 @@ RESPONSE_STORE_OPTIONS = {
     "name": "ResponseStore",
     "num_replicas": 1,
     "max_ongoing_requests": 1000,
-    "ray_actor_options": {"num_cpus": 0},
+    "ray_actor_options": {"num_cpus": TOKEN_CPUS},
 }
 
 
@@ -206,7 +212,7 @@ def _batch_size(model: ModelConfig) -> int:
 
 
 def ingress_options(config: AppConfig) -> dict[str, Any]:
-    options = config.ingress.model_dump(exclude={"ray_actor_options"})
+    options = config.ingress.model_dump(exclude={"ray_actor_options"}, exclude_none=True)
     options["ray_actor_options"] = config.ingress.ray_actor_options.to_ray()
     # The ingress holds a stream as long as the replica behind it: drain as long.
     options["graceful_shutdown_timeout_s"] = max(m.drain_timeout_s() for m in config.models)

@@ -402,6 +402,12 @@ class IngressOptions(_Strict):
         1024, ge=1, description="concurrent HTTP requests per ingress replica"
     )
     ray_actor_options: RayActorOptions = Field(default_factory=lambda: RayActorOptions(num_cpus=0))
+    max_replicas_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="at most this many ingress replicas on one Ray node (1, with two or "
+        "more replicas: a node's loss leaves one serving); unset: no limit",
+    )
 
 
 class AppConfig(_Strict):

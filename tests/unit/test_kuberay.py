@@ -8,12 +8,14 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
+from serve.app import COLLECTOR_OPTIONS, RESPONSE_STORE_OPTIONS, ingress_options
 from serve.config import AppConfig, ResponsesConfig
 from serve.deploy_config import (
     KUBERAY_RESPONSES_REDIS_URL_ENV,
     deploy_config,
     load_base,
     main,
+    spread_over_nodes,
     update_rayservice,
 )
 from tests.conftest import ROOT
@@ -51,7 +53,10 @@ def serving_pods(docs) -> dict[str, dict]:
 def cluster_config(gpus_per_replica: float = 1) -> dict:
     """What serveConfigV2 should be: serve/config.yaml as `--update-rayservice` adapts it."""
     return deploy_config(
-        load_base(), gpus_per_replica, responses_redis_url_env=KUBERAY_RESPONSES_REDIS_URL_ENV
+        load_base(),
+        gpus_per_replica,
+        responses_redis_url_env=KUBERAY_RESPONSES_REDIS_URL_ENV,
+        spread=True,
     )
 
 
@@ -219,12 +224,17 @@ def test_serving_pods_read_api_keys_from_the_secret(docs):
     )
 
 
-def test_gpu_workers_are_ready_on_health_and_the_head_keeps_kuberays_probes(docs):
+def test_workers_are_ready_on_their_own_proxys_health_and_the_head_keeps_kuberays_probes(docs):
+    # Serve's per-node /-/healthz, which the node's HAProxy answers from its own checks
+    # of the ingress replicas; the app-wide /health asks the controller in the head.
+    # tests/integration/test_cluster_nodes.py runs this probe with the head's GCS and
+    # controller killed.
+    served = yaml.safe_load(docs["RayService"]["spec"]["serveConfigV2"])
     cluster = docs["RayService"]["spec"]["rayClusterConfig"]
     for group in cluster["workerGroupSpecs"]:
         (container,) = group["template"]["spec"]["containers"]
         probe = container["readinessProbe"]["httpGet"]
-        assert probe == {"path": "/health", "port": 8000}
+        assert probe == {"path": "/-/healthz", "port": served["http_options"]["port"]}
     # A head that fails readiness leaves the head Service the workers and the
     # operator use, and Serve is only deployed once the head is ready.
     (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
@@ -246,3 +256,63 @@ def test_the_gcs_keeps_its_state_in_the_redis_that_redis_yaml_runs(docs):
     assert options["redisPassword"]["valueFrom"]["secretKeyRef"] == env["REDIS_PASSWORD"]
     assert '--requirepass "$REDIS_PASSWORD"' in container["args"][0]
     assert "--appendonly yes" in container["args"][0]  # survives its own restart
+
+
+def test_no_replica_of_the_app_lands_on_the_head(docs):
+    head = docs["RayService"]["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    assert head["num-cpus"] == "0" and head["num-gpus"] == "0"
+    # A replica that asks for no CPU (nor GPU) fits on a head of none too: each asks.
+    served = yaml.safe_load(docs["RayService"]["spec"]["serveConfigV2"])
+    for app in served["applications"]:
+        config = AppConfig.model_validate(app["args"])
+        assert ingress_options(config)["ray_actor_options"]["num_cpus"] > 0
+        for model in config.models:
+            assert model.deployment.ray_actor_options.num_cpus > 0, model.id
+    for internal in (COLLECTOR_OPTIONS, RESPONSE_STORE_OPTIONS):
+        assert internal["ray_actor_options"]["num_cpus"] > 0, internal["name"]
+
+
+def test_ingress_and_llm_replicas_are_spread_over_the_workers(docs):
+    served = yaml.safe_load(docs["RayService"]["spec"]["serveConfigV2"])
+    (group,) = docs["RayService"]["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    for app in served["applications"]:
+        config = AppConfig.model_validate(app["args"])
+        ingress = ingress_options(config)  # what Serve gets
+        assert ingress["num_replicas"] >= 2 and ingress["max_replicas_per_node"] == 1
+        # One ingress replica per worker and none on the head: enough workers for all.
+        assert group["minReplicas"] >= ingress["num_replicas"]
+        for model in config.models:
+            if model.task != "generate":
+                continue
+            assert model.deployment.max_replicas_per_node == 1, model.id
+            scaling = model.deployment.autoscaling_config
+            fewest = model.deployment.num_replicas or scaling.min_replicas
+            assert fewest >= 2, model.id
+
+
+def test_spread_over_nodes_raises_replica_counts_and_keeps_larger_ones():
+    base = load_base()
+    models = base["applications"][0]["args"]["models"]
+    models[0]["deployment"]["autoscaling_config"] = {"min_replicas": 3, "max_replicas": 5}
+    fixed = {**models[0], "id": "fixed", "deployment": {"num_replicas": 1}}
+    unset = {**models[0], "id": "unset", "deployment": {}}
+    models += [fixed, unset]
+    args = spread_over_nodes(base)["applications"][0]["args"]
+    llm, embeddings, fixed, unset = args["models"]
+    assert llm["deployment"]["autoscaling_config"] == {"min_replicas": 3, "max_replicas": 5}
+    assert fixed["deployment"]["num_replicas"] == unset["deployment"]["num_replicas"] == 2
+    for model in (llm, fixed, unset):
+        assert model["deployment"]["max_replicas_per_node"] == 1
+    assert "max_replicas_per_node" not in embeddings["deployment"]  # one CPU replica
+    assert args["ingress"]["num_replicas"] == 2 and args["ingress"]["max_replicas_per_node"] == 1
+    AppConfig.model_validate(args)
+    # The compose config (one node) is not spread: a second replica would never start.
+    single = deploy_config(load_base(), 1)["applications"][0]["args"]
+    assert "max_replicas_per_node" not in single["ingress"]
+    assert ingress_options(AppConfig.model_validate(single))["num_replicas"] == 1
+
+
+def test_spread_over_nodes_flag(tmp_path):
+    out = tmp_path / "serve.yaml"
+    assert main(["--spread-over-nodes", "-o", str(out)]) == 0
+    assert yaml.safe_load(out.read_text()) == deploy_config(load_base(), 1, spread=True)

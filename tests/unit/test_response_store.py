@@ -298,7 +298,8 @@ def test_the_ingress_opens_the_store_its_config_names():
 def test_the_app_deploys_one_memory_store_replica_only_for_the_memory_store():
     bound = response_store(AppConfig())._bound_deployment
     assert (bound.name, bound.num_replicas) == ("ResponseStore", 1)
-    assert bound.ray_actor_options["num_cpus"] == 0
+    # A token share: it takes no CPU from the replicas, yet stays off a head of none.
+    assert 0 < bound.ray_actor_options["num_cpus"] <= 0.01
     assert bound.init_args == (256 << 20, 2592000)
     assert bound.func_or_class is ResponseStoreReplica
     redis = {"store": "redis", "redis_url": "redis://127.0.0.1:6379/0"}
