@@ -42,8 +42,15 @@ class RayNode:
     """A worker node: its own ``ray start`` (raylet, agents, workers) with its own temp
     dir, which names it in the command line of each of its processes."""
 
-    def __init__(self, name: str, temp_dir: Path):
-        self.name, self.temp_dir = name, temp_dir
+    def __init__(self, name: str, temp_dir: Path, host: str = "127.0.0.1"):
+        self.name, self.temp_dir, self.host = name, temp_dir, host
+        self.proxy_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        """Where the node's own Serve proxy listens (``add_node``'s ``own_proxy``)."""
+        assert self.proxy_port is not None, f"{self.name} has no proxy port of its own"
+        return f"http://{self.host}:{self.proxy_port}"
 
     def pids(self) -> list[int]:
         """Every process of the node: those naming its temp dir (raylet, agents, Ray
@@ -58,7 +65,19 @@ class RayNode:
 
 
 class RayCluster:
-    def __init__(self, num_cpus: int = 4, env: dict | None = None):
+    """``node_ip``: the address every node registers with (``--node-ip-address``), and
+    Serve's ``http_options.host`` in :meth:`deploy`. Ray's default is the machine's
+    own address, where Serve's HAProxy reaches the ingress replicas (its targets: their
+    node's address) only if they listen beyond loopback; "127.0.0.2" keeps it all on
+    loopback (Ray replaces 127.0.0.1 with the machine's address)."""
+
+    def __init__(
+        self,
+        num_cpus: int = 4,
+        env: dict | None = None,
+        node_ip: str | None = None,
+        mode: str = "throughput",
+    ):
         # Short: Ray's socket paths live under it and must fit in 107 bytes.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
         self.gcs_port = free_port()
@@ -67,10 +86,13 @@ class RayCluster:
         self.http_port = free_port()
         self.num_cpus = num_cpus
         self.haproxy_dir = private_haproxy_dir()
-        self.env = serve_env("throughput", self.haproxy_dir)
+        self.mode = mode  # serve.launch's Serve mode
+        self.env = serve_env(mode, self.haproxy_dir)
         self.env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
         self.env |= env or {}
         self.nodes: list[RayNode] = []
+        self.node_ip = node_ip
+        self._node_ip = [f"--node-ip-address={node_ip}"] if node_ip else []
 
     @property
     def dashboard(self) -> str:
@@ -78,7 +100,7 @@ class RayCluster:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{self.node_ip or '127.0.0.1'}:{self.http_port}"
 
     def start(self, num_gpus: int = 0) -> RayCluster:
         self._ray(
@@ -93,15 +115,34 @@ class RayCluster:
             f"--temp-dir={self.temp_dir}",
             f"--ray-client-server-port={free_port()}",
             "--disable-usage-stats",
+            *self._node_ip,
         )
         return self
 
     def add_node(
-        self, name: str, num_cpus: float, num_gpus: int = 0, resources: dict | None = None
+        self,
+        name: str,
+        num_cpus: float,
+        num_gpus: int = 0,
+        resources: dict | None = None,
+        own_proxy: bool = False,
     ) -> RayNode:
         """A worker node joining the head: ``--num-gpus`` declares GPUs to Ray alone (a
-        replica placed for one runs on CPU here), ``resources`` are custom ones."""
-        node = RayNode(name, Path(tempfile.mkdtemp(prefix="rn", dir="/tmp")))
+        replica placed for one runs on CPU here), ``resources`` are custom ones.
+
+        ``own_proxy``: the node's Serve proxy (``proxy_location: EveryNode``) listens on
+        a port of its own, ``node.url`` (Ray's RAY_SERVE_WORKER_PROXY_HTTP_PORT, which
+        the head ignores), where a real node listens on the config's port of its own
+        address; its HAProxy gets ports of its own for its stats and metrics too, and
+        its ingress replicas their own range."""
+        temp_dir = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))
+        node = RayNode(name, temp_dir, self.node_ip or "127.0.0.1")
+        env = {}
+        if own_proxy:
+            node.proxy_port = free_port()
+            fresh = serve_env("throughput", self.haproxy_dir, base={})
+            env = {name: value for name, value in fresh.items() if "_PORT" in name}
+            env["RAY_SERVE_WORKER_PROXY_HTTP_PORT"] = str(node.proxy_port)
         self.nodes.append(node)
         self._ray(
             "start",
@@ -113,6 +154,8 @@ class RayCluster:
             f"--temp-dir={node.temp_dir}",
             f"--metrics-export-port={free_port()}",
             "--disable-usage-stats",
+            *self._node_ip,
+            env=env,
         )
         return node
 
@@ -125,12 +168,12 @@ class RayCluster:
         nodes = response.json()["data"]["result"]["result"]
         return {n["node_id"]: n["node_name"] for n in nodes if n["state"] == "ALIVE"}
 
-    def _ray(self, *args: str) -> None:
+    def _ray(self, *args: str, env: dict | None = None) -> None:
         subprocess.run(
             [str(BIN / "ray"), *args],
             check=True,
             cwd=ROOT,
-            env=self.env,
+            env=self.env | (env or {}),
             capture_output=True,
             timeout=180,
         )
@@ -142,6 +185,8 @@ class RayCluster:
         """``serve deploy`` of a Serve config (its HTTP port set to this cluster's)."""
         config = copy.deepcopy(config)
         config.setdefault("http_options", {})["port"] = self.http_port
+        if self.node_ip:
+            config["http_options"]["host"] = self.node_ip
         path = self.temp_dir / f"serve-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(config))
         result = subprocess.run(
@@ -191,6 +236,13 @@ class RayCluster:
         self._gcs_command = proc.joinpath("cmdline").read_bytes().split(b"\0")[:-1]
         environ = proc.joinpath("environ").read_bytes().split(b"\0")
         self._gcs_env = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+        os.kill(pid, signal.SIGKILL)
+
+    def kill_serve_controller(self) -> None:
+        """Serve's controller (a Ray worker process of the head: ``ray::ServeController``)
+        fails (SIGKILL). With the GCS down, nothing restarts it until the GCS is back."""
+        head = descendants(processes_naming(str(self.temp_dir).encode()))
+        (pid,) = [p for p in head if b"ray::ServeController" in cmdline(p)]
         os.kill(pid, signal.SIGKILL)
 
     def restart_gcs(self) -> None:
@@ -288,6 +340,13 @@ def child_pids(pid: int) -> list[int]:
         except OSError:
             pass
     return children
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def process_name(pid: int) -> str:

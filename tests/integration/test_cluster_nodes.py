@@ -8,15 +8,18 @@ GPU, so the engine runs on CPU), which is what these tests check.
 
 from __future__ import annotations
 
+import os
 import subprocess
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import yaml
 
-from serve.deploy_config import deploy_config, load_base
+from serve.deploy_config import RAYSERVICE, deploy_config, load_base, spread_over_nodes
 from tests.integration.cluster import BIN, RayCluster, RedisServer, serve_config
 from tests.integration.test_production import TRITON, Load, complete, stream_events, wait_for
 from tests.soak_traffic import EMBEDDING_MODEL, Traffic
@@ -200,38 +203,75 @@ def ended_with_error(events: list) -> bool:
     return False
 
 
-def test_with_gcs_fault_tolerance_replicas_serve_through_a_head_gcs_failure(built_repository):
-    """Ray's GCS fault tolerance: the GCS keeps the cluster's state in Redis
-    (RAY_REDIS_ADDRESS), so a GCS that restarts finds the cluster as it was. Meanwhile
-    the replicas keep serving (Serve's own promise); deployments wait for it."""
+def test_without_the_head_a_worker_keeps_serving_and_stays_ready(built_repository):
+    """The head's GCS and Serve's controller fail (GCS fault tolerance on Redis, as the
+    RayService runs it): the worker's own proxy keeps answering and the readiness check
+    the RayService's worker probe runs stays ready, since neither needs the head; once
+    the GCS is back (it restarts the controller), ``serve deploy`` of a changed config
+    takes effect. The config is the RayService's (``spread_over_nodes``) with a head of
+    no CPUs, one worker here: one ingress replica, so one LLM replica."""
+    probe = worker_readiness_probe()
     redis = RedisServer().start()
-    cluster = RayCluster(num_cpus=1, env={"RAY_REDIS_ADDRESS": redis.address}).start()
+    # On loopback: the worker's HAProxy reaches the ingress replica at the node's address.
+    redis_env = {"RAY_REDIS_ADDRESS": redis.address}
+    mode = os.environ.get("CLUSTER_SERVE_MODE", "throughput")  # "default": Serve's own proxy
+    cluster = RayCluster(num_cpus=0, env=redis_env, node_ip="127.0.0.2", mode=mode).start()
     try:
-        cluster.add_node("worker-1", num_cpus=2)
-        fixed = {"autoscaling_config": None, "num_replicas": 1}
-        cluster.deploy(serve_config(built_repository, deployment=fixed))
+        worker = cluster.add_node("worker-1", num_cpus=2, own_proxy=True)
+
+        def rayservice_config(**model_fields) -> dict:
+            fixed = {"autoscaling_config": None, "num_replicas": 1}
+            config = spread_over_nodes(
+                serve_config(built_repository, deployment=fixed, **model_fields)
+            )
+            config["proxy_location"] = "EveryNode"
+            config["applications"][0]["args"]["ingress"]["num_replicas"] = 1  # one worker
+            config["applications"][0]["args"]["models"][0]["deployment"]["num_replicas"] = 1
+            return config
+
+        cluster.deploy(rayservice_config())
         cluster.wait_running()
-        with Traffic(cluster.url, clients=["completion", "completion-stream"]) as traffic:
+        # Nothing of the app on the head: every replica on the worker.
+        for deployment in cluster.applications()["llm"]["deployments"]:
+            assert replica_nodes(cluster, deployment) == ["worker-1"], deployment
+        probe_url = f"{worker.url}{probe['path']}"
+        wait_for(lambda: ready(probe_url), 60, "the worker's readiness check passing")
+        clients = 2 * ["completion", "completion-stream"]
+        with (
+            Traffic(worker.url, clients=clients) as traffic,
+            Poller(probe_url) as readiness,
+            Poller(f"{worker.url}/health") as app_health,  # for the record: it asks the head
+        ):
             time.sleep(3)
             killed_at = time.monotonic()
             cluster.kill_gcs()
-            time.sleep(GCS_OUTAGE_S)
+            cluster.kill_serve_controller()
+
+            def outage_long_enough():
+                sent = sum(sum(c.values()) for c in traffic.counts(since=killed_at).values())
+                return time.monotonic() - killed_at > GCS_OUTAGE_S and sent >= 60
+
+            wait_for(outage_long_enough, 120, "60 requests sent in the outage", 0.5)
             restarted_at = time.monotonic()
             cluster.restart_gcs()
-            capped = serve_config(built_repository, max_tokens_cap=100, deployment=fixed)
+            capped = rayservice_config(max_tokens_cap=100)
             wait_for(lambda: deployed(cluster, capped), 120, "serve deploy accepted again")
             deployable_s = time.monotonic() - restarted_at
             wait_for(
-                lambda: complete(cluster.url, max_tokens=150).status_code == 400,
+                lambda: complete(worker.url, max_tokens=150).status_code == 400,
                 120,
-                "the new max_tokens cap in force",
+                "the new max_tokens cap in force through the worker's proxy",
             )
             updated_s = time.monotonic() - restarted_at
             time.sleep(3)
             hanging = traffic.stop()
         outage = traffic.counts(since=killed_at, until=restarted_at)
         after = traffic.counts(since=restarted_at)
-        print(f"GCS down {GCS_OUTAGE_S} s; requests meanwhile: {outage}; after: {after}")
+        checks = readiness.statuses(since=killed_at, until=restarted_at)
+        app_checks = app_health.statuses(since=killed_at, until=restarted_at)
+        print(f"head's GCS and controller down {restarted_at - killed_at:.1f} s")
+        print(f"requests through the worker's proxy meanwhile: {outage}; after: {after}")
+        print(f"worker readiness checks meanwhile: {checks}; the app's /health: {app_checks}")
         print(
             f"serve deploy accepted {deployable_s:.1f} s after the GCS restarted, "
             f"the new config in force after {updated_s:.1f} s"
@@ -242,7 +282,57 @@ def test_with_gcs_fault_tolerance_replicas_serve_through_a_head_gcs_failure(buil
     assert hanging == 0
     assert set(outage) == {"completion", "completion-stream"}, outage
     assert all(set(statuses) == {"200"} for statuses in outage.values()), outage
-    assert updated_s < 60, updated_s
+    assert sum(sum(c.values()) for c in outage.values()) >= 50, outage
+    assert set(checks) == {200} and sum(checks.values()) >= GCS_OUTAGE_S / 2, checks
+    assert updated_s < 90, updated_s
+
+
+def worker_readiness_probe() -> dict:
+    """The readiness probe of the RayService's worker pods (an HTTP GET on Serve's port)."""
+    manifest = next(yaml.safe_load_all(RAYSERVICE.read_text()))
+    served = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    (group,) = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    (container,) = group["template"]["spec"]["containers"]
+    probe = container["readinessProbe"]["httpGet"]
+    assert probe["port"] == served["http_options"]["port"], probe  # the node's proxy
+    return probe
+
+
+def ready(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Poller:
+    """GETs ``url`` once a second from a thread, as a kubelet's probe does; each answer's
+    status (or the error's name) kept with its time."""
+
+    def __init__(self, url: str):
+        self.url, self.answers = url, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(1):
+            sent = time.monotonic()
+            try:
+                status = httpx.get(self.url, timeout=5).status_code
+            except httpx.HTTPError as error:
+                status = type(error).__name__
+            self.answers.append((sent, status))
+
+    def statuses(self, since: float, until: float) -> Counter:
+        return Counter(status for sent, status in self.answers if since <= sent < until)
+
+    def __enter__(self) -> Poller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 GCS_OUTAGE_S = 20
