@@ -7,10 +7,12 @@ first, never one that a queued or running sequence uses.
 
 Requests with different adapters, and the base, share every prefill and decode
 forward, as S-LoRA and Punica batch them: each targeted ``nn.Linear`` of the model is
-wrapped by a :class:`LoraLinear` that adds ``(x @ A) @ B`` per row, with ``A`` and
-``B`` gathered by the row's index from tensors that stack the batch's adapters
-(zero-padded to the largest rank among them; a row of the base gathers zeros). Two
-batched matrix products per module, however many adapters the batch mixes. A
+wrapped by a :class:`LoraLinear` that adds ``(x @ A) @ B`` per row, from tensors that
+stack the batch's adapters (zero-padded to the largest rank among them; the base's
+entry is zeros). Prefill gathers each row's ``A`` and ``B`` and runs batched products
+over its tokens; decode (one token a row) multiplies every row by all the batch's
+adapters side by side and masks each row to its own, which reads each adapter once.
+Two products per module either way, however many adapters the batch mixes. A
 forward with no adapter row runs the base layers alone: the wrappers are installed
 when the first adapter row runs, and then only check that no plan is set.
 """
