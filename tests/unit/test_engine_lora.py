@@ -215,7 +215,7 @@ def test_an_adapter_of_another_base_is_refused(engine, tokenizer, tmp_path):
 def test_a_rank_over_max_lora_rank_is_refused(runner, tokenizer, adapters):
     engine = new_engine(runner, max_lora_rank=8)
     try:
-        with pytest.raises(InvalidRequest, match="rank 16.*up to 8 \\(max_lora_rank\\)"):
+        with pytest.raises(InvalidRequest, match="rank 16.*up to 8$"):
             engine.submit(lora_request(tokenizer, PROMPTS[0], adapters[2]), CollectingSink())
     finally:
         engine.shutdown()
@@ -237,6 +237,14 @@ def test_the_prefix_cache_keeps_adapters_apart(runner, tokenizer, adapters, expe
         assert base.tokens() == base_again.tokens() == expected[None, prompt]
     finally:
         engine.shutdown()
+
+
+def test_an_empty_adapter_is_refused(engine, tokenizer, adapters):
+    empty = replace(adapters[0].tensors, weights=np.zeros((0, 0), np.float16))
+    empty = replace(empty, config=np.zeros((0, 3), np.int32))
+    req = replace(lora_request(tokenizer, PROMPTS[0], adapters[0]), lora=empty, lora_task_id=5)
+    with pytest.raises(InvalidRequest, match="no weights"):
+        engine.submit(req, CollectingSink())
 
 
 def test_lora_tensors_are_read_from_a_request(adapters):

@@ -26,12 +26,13 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.contract import lora_cache_miss
-from tritonllm.lora import AdapterError, LoraTensors, unpack
+from tritonllm.lora import AdapterError, LoraTensors, check_fits, unpack
 
 # What PEFT targets on Llama-style models: the attention and MLP projections.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -152,22 +153,11 @@ class AdapterCache:
             resident -= evicted.nbytes
 
     def _load(self, task_id: int, tensors: LoraTensors) -> Adapter:
-        if tensors.max_rank > self.max_rank:
-            raise AdapterError(
-                f"adapter has rank {tensors.max_rank}; this engine serves ranks up to "
-                f"{self.max_rank} (max_lora_rank)"
-            )
-        deltas = unpack(tensors, self.shapes, self.num_layers)
-        if not deltas:
+        if np.asarray(tensors.config).size == 0:
             raise AdapterError("lora_config has no rows: the adapter has no weights")
-        # Rows are zero-padded to the longest, so an adapter of a larger base would
-        # unpack without error: its longest row must be exactly this model's.
-        widest = max(d.a.size + d.b.size for d in deltas)
-        if widest != tensors.weights.shape[1]:
-            raise AdapterError(
-                f"lora_weights rows are {tensors.weights.shape[1]} wide; this model's "
-                f"projections make them {widest} (an adapter of another base model?)"
-            )
+        # The rank limit, and the shapes: an adapter of another base is refused.
+        check_fits(tensors, self.shapes, self.num_layers, self.max_rank)
+        deltas = unpack(tensors, self.shapes, self.num_layers)
         weights = {}
         for d in deltas:
             if (d.layer, d.module) in weights:
