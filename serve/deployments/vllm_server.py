@@ -24,6 +24,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ray import serve
 from ray.serve.llm import LLMConfig
 from ray.serve.llm.deployment import LLMServer
 from vllm import SamplingParams
@@ -61,14 +62,30 @@ class VLLMServer(LLMServer):
             else params.prompt
         )
         read = ChunkReader(params)
+        lora = await self._lora_request(params)
         # Closed with this generator: an abandoned generation stops in vLLM at once.
-        async with contextlib.aclosing(self._outputs(prompt, sampling, params)) as outputs:
+        async with contextlib.aclosing(self._outputs(prompt, sampling, params, lora)) as outputs:
             async for output in outputs:
                 yield read(output)
 
-    async def _outputs(self, prompt, sampling: SamplingParams, params: GenerateParams):
+    async def _lora_request(self, params: GenerateParams):
+        """The adapter's ``LoRARequest`` (None: the base), loaded as Ray Serve LLM's own
+        requests load it: downloaded by its multiplexed loader under the request's
+        multiplexed id (``<model>:<adapter>``, set by the ingress), then added to vLLM."""
+        if params.adapter is None:
+            return None
+        try:
+            await self._maybe_resolve_lora_from_multiplex()
+        except (ValueError, FileNotFoundError) as error:
+            message = f"adapter {params.adapter!r}: {error}"
+            raise GenerationError(message, GenerationError.INVALID) from None
+        return self.engine._oai_models.lora_requests[serve.get_multiplexed_model_id()]
+
+    async def _outputs(self, prompt, sampling: SamplingParams, params: GenerateParams, lora):
         """vLLM's ``RequestOutput`` deltas, its client errors as ours."""
-        outputs = self.engine._engine_client.generate(prompt, sampling, params.request_id)
+        outputs = self.engine._engine_client.generate(
+            prompt, sampling, params.request_id, lora_request=lora
+        )
         try:
             async for output in outputs:
                 if output.outputs[0].finish_reason == "abort":
