@@ -6,7 +6,13 @@
 # `ray start --block` stays in the foreground of this script until Ray's head
 # processes exit; the script then exits with it, so the container stops (and
 # restarts, under a restart policy) instead of idling on a dead Ray. The app is
-# deployed once the head accepts `serve deploy`.
+# deployed once the head accepts `serve deploy`. SIGTERM or SIGINT (`docker stop`,
+# through the container's init) stops Ray, and with it Serve, HAProxy and the Tritons.
+#
+# The Serve config is $SERVE_CONFIG (default: the image's serve/config.yaml; compose
+# mounts the host's serve/ folder and points it there), adapted for a container by
+# serve.deploy_config. It refuses an API without keys (TRITONLLM_API_KEYS) on every
+# interface unless TRITONLLM_OPEN_API=1. docker/serve-deploy.sh deploys it again.
 set -uo pipefail
 
 ray start --head --port="${RAY_PORT:-6379}" --dashboard-host=0.0.0.0 --block &
@@ -14,7 +20,9 @@ ray_pid=$!
 trap 'kill -TERM "$ray_pid" 2>/dev/null; wait "$ray_pid"; exit 0' TERM INT
 
 config="${SERVE_CONFIG_OUT:-/tmp/serve.yaml}"
-python3 -m serve.deploy_config "$@" -o "$config" || { kill -TERM "$ray_pid"; exit 2; }
+python3 -m serve.deploy_config --base "${SERVE_CONFIG:-serve/config.yaml}" "$@" -o "$config" \
+    && python3 -m serve.launch --check-exposure "$config" \
+    || { kill -TERM "$ray_pid"; wait "$ray_pid"; exit 2; }
 # The dashboard (which `serve deploy` talks to) comes up a few seconds after the head.
 deployed=0
 for _ in $(seq 90); do

@@ -240,7 +240,9 @@ def test_head_script_deploys_when_the_dashboard_takes_it_and_ends_with_ray(tmp_p
     # (ray starts in the background: its line and the next ones come in either order)
     starts = [line for line in log if line.startswith("ray start")]
     assert starts == ["ray start --head --port=6379 --dashboard-host=0.0.0.0 --block"]
-    assert f"python3 -m serve.deploy_config --gpus-per-replica 1 -o {config}" in log
+    adapt = "python3 -m serve.deploy_config --base serve/config.yaml --gpus-per-replica 1 -o"
+    assert f"{adapt} {config}" in log
+    assert f"python3 -m serve.launch --check-exposure {config}" in log  # keys, or opted in
     assert log.count(f"serve deploy {config}") == 2  # refused once, then deployed
 
 
@@ -276,7 +278,10 @@ def test_the_deployed_serve_config_is_valid_for_serve(tmp_path, source, gpus):
         args = [*command[1:], "-o", ""]
         script = HEAD_SCRIPT.read_text()
         assert 'config="${SERVE_CONFIG_OUT:-/tmp/serve.yaml}"' in script
-        assert '-m serve.deploy_config "$@" -o "$config"' in script
+        assert (
+            '-m serve.deploy_config --base "${SERVE_CONFIG:-serve/config.yaml}" "$@" -o "$config"'
+            in script
+        )
         assert 'serve deploy "$config"' in script
     else:
         args = deploy_config_args(" ".join(command))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit
 
 import pytest
@@ -61,13 +62,18 @@ def cluster_config(gpus_per_replica: float = 1) -> dict:
 
 
 def claim_mounts(pod: dict) -> dict[str, tuple[str, str]]:
-    """mountPath -> (claim, subPath) of the pod's persistent volume claims."""
+    """mountPath -> (claim, subPath) of the pod's persistent volume claims, a
+    subPathExpr expanded with the container's environment ($(VAR), as the kubelet does)."""
     (container,) = pod["containers"]
+    env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
     claims = {
         v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]
     }
     return {
-        m["mountPath"]: (claims[m["name"]], m.get("subPath", ""))
+        m["mountPath"]: (
+            claims[m["name"]],
+            re.sub(r"\$\((\w+)\)", lambda v: env[v[1]], m.get("subPathExpr", m.get("subPath", ""))),
+        )
         for m in container["volumeMounts"]
         if claims.get(m["name"])
     }
@@ -174,21 +180,22 @@ def test_ingress_reaches_serve_port_8000(docs):
 
 
 def test_every_pod_mounts_every_repository_the_serve_config_names(docs):
-    claim = docs["PersistentVolumeClaim"]["metadata"]["name"]
-    assert "ReadWriteMany" in docs["PersistentVolumeClaim"]["spec"]["accessModes"]
-    for name, pod in pods(docs).items():
+    claim = "model-repository"
+    for name, pod in serving_pods(docs).items():
         mounts = claim_mounts(pod)
-        for path in served_repositories():  # the build Job writes where the pods read
-            assert mounts.get(path) == (claim, path.rsplit("/", 1)[1]), (name, path)
+        for path in served_repositories():  # where the build Job wrote (test_operating.py)
+            version = re.search(r"trtllm-[0-9.]+/project", mounts[path][1]).group(0)
+            assert mounts.get(path) == (claim, f"{version}/{path.rsplit('/', 1)[1]}"), (name, path)
 
 
-def test_build_job_seeds_the_layout_the_image_keeps_then_builds(docs):
-    command = " ".join(docs["Job"]["spec"]["template"]["spec"]["containers"][0]["command"])
-    for repository in ("model_repository", "embedding_repository"):
-        assert f"cp -a /opt/triton-ray-llm/{repository}/. {repository}/" in command
-    assert command.endswith("make engines TARGET=auto MODEL=/models/hf")
-    runs = (ROOT / "docker" / "Dockerfile.gpu").read_text()
-    assert "cp -a model_repository embedding_repository /opt/triton-ray-llm/" in runs
+def test_build_job_builds_in_the_projects_copy_on_the_claim(docs):
+    pod = docs["Job"]["spec"]["template"]["spec"]
+    command = pod["containers"][0]["command"][-1]
+    assert command.rstrip().endswith("make engines NO_VENV=1 TARGET=auto MODEL=/models/hf")
+    # The repositories' tracked layout comes with the project's copy (the image's own
+    # project, templates and model.py adapters included).
+    assert "cp -a /workspace/triton-ray-llm/." in pod["initContainers"][0]["command"][-1]
+    assert claim_mounts(pod)["/workspace/triton-ray-llm"][0] == "model-repository"
 
 
 def test_autoscaling_adds_gpu_workers_up_to_the_llm_replicas(docs):
