@@ -255,11 +255,15 @@ class RayCluster:
         return self.temp_dir / "session_latest" / "logs"
 
     def stop(self) -> None:
+        # Descendants too, found while their raylet lives: a node's agents (their command
+        # lines name nothing of the cluster) outlived a killed raylet, no one's children.
+        pids = set(self.pids())
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in self._pids():
+            pids |= set(self.pids())
+            for pid in pids:
                 signal_pid(pid, sig)
             deadline = time.monotonic() + 15
-            while self._pids() and time.monotonic() < deadline:
+            while any(map(alive, pids)) and time.monotonic() < deadline:
                 time.sleep(0.5)
         shutil.rmtree(self.haproxy_dir, ignore_errors=True)
 
@@ -300,6 +304,14 @@ def descendants(pids: list[int]) -> list[int]:
             found.append(pid)
             queue += child_pids(pid)
     return found
+
+
+def alive(pid: int) -> bool:
+    """The process runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def signal_pid(pid: int, sig: int) -> None:
