@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from serve.launch import OPEN_API_ENV, is_loopback, open_api_refusal, serve_env
+from serve.launch import OPEN_API_ENV, is_loopback, open_api_refusal
 from serve.triton.launcher import free_port
 from tests.conftest import ROOT
 from tests.processes import listeners
-from tests.unit.test_install import _STARTER, _alive
+from tests.unit.test_install import _alive, start_haproxy
 
 CONFIG = ROOT / "serve" / "config.yaml"
 
@@ -91,14 +91,7 @@ def haproxy_config(api: str, stats: int, metrics: int) -> str:
 
 def run_haproxy(config: Path, ports: list[int]) -> set[tuple[str, int]]:
     """HAProxy through the wrapper, as Ray starts it; its listeners once all are up."""
-    env = serve_env("throughput")
-    starter = subprocess.Popen(
-        [sys.executable, "-c", _STARTER, env["RAY_SERVE_HAPROXY_BINARY_PATH"], str(config)],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    haproxy = int(starter.stdout.readline())
+    starter, haproxy = start_haproxy(config)
     try:
         deadline = time.monotonic() + 10
         while len(held := listeners(haproxy)) < len(ports):

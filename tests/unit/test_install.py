@@ -195,14 +195,7 @@ def test_haproxy_stops_when_the_process_that_started_it_dies(tmp_path):
         "defaults\n  mode http\n  timeout connect 1s\n  timeout client 1s\n"
         f"  timeout server 1s\nfrontend api\n  bind 127.0.0.1:{port}\n"
     )
-    env = serve_env("throughput")
-    starter = subprocess.Popen(
-        [sys.executable, "-c", _STARTER, env["RAY_SERVE_HAPROXY_BINARY_PATH"], str(config)],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    haproxy = int(starter.stdout.readline())
+    starter, haproxy = start_haproxy(config)
     try:
         _wait_for(lambda: _listening(port), "HAProxy listening")
         starter.kill()  # SIGKILL: nothing of the starter's own runs
@@ -217,6 +210,19 @@ def test_haproxy_stops_when_the_process_that_started_it_dies(tmp_path):
     finally:
         if _alive(haproxy):
             os.kill(haproxy, 9)
+
+
+def start_haproxy(config: Path) -> tuple[subprocess.Popen, int]:
+    """HAProxy started through the wrapper, as Ray starts it, by a parent process of its
+    own (_STARTER): that parent, and HAProxy's pid."""
+    env = serve_env("throughput")
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _STARTER, env["RAY_SERVE_HAPROXY_BINARY_PATH"], str(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    return starter, int(starter.stdout.readline())
 
 
 # A parent that starts HAProxy through the wrapper, says its pid, and waits to be killed.
