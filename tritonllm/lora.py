@@ -198,10 +198,13 @@ def llama_module_shapes(hf_config: dict) -> tuple[dict[str, tuple[int, int]], in
 
 def check_fits(
     tensors: LoraTensors, shapes: dict[str, tuple[int, int]], num_layers: int, max_rank: int
-) -> None:
-    """Raise :class:`AdapterError` naming why an adapter does not fit a model (or the
-    server's rank limit). Rows are zero-padded to the widest, so :func:`unpack` alone
-    accepts an adapter of a smaller base; the widest row must fill the width exactly."""
+) -> list[ModuleDelta]:
+    """The adapter's module deltas, or :class:`AdapterError` naming why it does not fit
+    a model (or the server's rank limit). Rows are zero-padded to the widest, so
+    :func:`unpack` alone accepts an adapter of a smaller base; the widest row must fill
+    the width exactly."""
+    if len(tensors.config) == 0:
+        raise AdapterError("lora_config has no rows: the adapter has no weights")
     if tensors.max_rank > max_rank:
         raise AdapterError(
             f"adapter has rank {tensors.max_rank}; this server serves ranks up to {max_rank}"
@@ -213,3 +216,4 @@ def check_fits(
             f"adapter's weights are {tensors.weights.shape[1]} wide; for this model's module "
             f"shapes they would be {widest} (an adapter of another base model?)"
         )
+    return deltas

@@ -26,13 +26,12 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.contract import lora_cache_miss
-from tritonllm.lora import AdapterError, LoraTensors, check_fits, unpack
+from tritonllm.lora import AdapterError, LoraTensors, check_fits
 
 # What PEFT targets on Llama-style models: the attention and MLP projections.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -153,11 +152,8 @@ class AdapterCache:
             resident -= evicted.nbytes
 
     def _load(self, task_id: int, tensors: LoraTensors) -> Adapter:
-        if np.asarray(tensors.config).size == 0:
-            raise AdapterError("lora_config has no rows: the adapter has no weights")
         # The rank limit, and the shapes: an adapter of another base is refused.
-        check_fits(tensors, self.shapes, self.num_layers, self.max_rank)
-        deltas = unpack(tensors, self.shapes, self.num_layers)
+        deltas = check_fits(tensors, self.shapes, self.num_layers, self.max_rank)
         weights = {}
         for d in deltas:
             if (d.layer, d.module) in weights:
