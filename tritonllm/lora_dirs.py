@@ -29,6 +29,8 @@ from tritonllm.lora import (
     ADAPTER_WEIGHTS,
     AdapterError,
     LoraTensors,
+    ModuleDelta,
+    check_fits,
     unpack,
 )
 
@@ -51,11 +53,15 @@ def write_peft_dir(
     """Write ``tensors`` as a PEFT adapter (``adapter_config.json``,
     ``adapter_model.safetensors``) into ``path``, checked against the model's module
     ``shapes`` (``(in, out)`` by Hugging Face name) first."""
-    from safetensors.numpy import save_file
-
     deltas = unpack(tensors, shapes, num_layers)
     if not deltas:
         raise AdapterError("adapter has no LoRA weights")
+    _write_deltas(deltas, path, base_model)
+
+
+def _write_deltas(deltas: list[ModuleDelta], path: Path, base_model: str) -> None:
+    from safetensors.numpy import save_file
+
     rank = max(d.a.shape[0] for d in deltas)
     state = {}
     for d in deltas:
@@ -119,16 +125,14 @@ class AdapterDirectories:
                 return held
             if tensors is None:
                 raise AdapterError(lora_cache_miss(task_id))
-            if tensors.max_rank > self._max_rank:
-                raise AdapterError(
-                    f"adapter has rank {tensors.max_rank}; this engine takes ranks up to "
-                    f"{self._max_rank} (lora.max_rank in build_engines/trtllm.yaml)"
-                )
+            # The rank limit (lora.max_rank in build_engines/trtllm.yaml) and the
+            # shapes, as the replica and the torch engine check them.
+            deltas = check_fits(tensors, self._shapes, self._num_layers, self._max_rank)
             path = self._root / f"task-{task_id}"
             partial = self._root / f".task-{task_id}.partial"
             shutil.rmtree(partial, ignore_errors=True)
             try:
-                write_peft_dir(tensors, self._shapes, self._num_layers, partial, self._base_model)
+                _write_deltas(deltas, partial, self._base_model)
             except BaseException:
                 shutil.rmtree(partial, ignore_errors=True)
                 raise

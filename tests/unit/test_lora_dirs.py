@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import lora_adapters
 from tritonllm.contract import LORA_CACHE_MISS
 from tritonllm.lora import (
     ADAPTER_CONFIG,
@@ -156,3 +157,16 @@ def test_an_adapter_that_does_not_fit_writes_nothing(hf_model, checkpoint_dir, t
         smaller.path(1, packed)
     assert len(dirs) == 0 and len(smaller) == 0
     assert not any((tmp_path / "cache").iterdir())
+
+
+def test_an_adapter_of_another_base_is_refused(checkpoint_dir, tmp_path):
+    # Rows are zero-padded to the widest, so an adapter of a larger base unpacks into
+    # this model's shapes; the check the replica and the torch engine make refuses it.
+    base = lora_adapters.other_base(tmp_path / "base", hidden_size=512)
+    spec = lora_adapters.SPECS[1]
+    stranger = lora_adapters.make_adapter(base, spec, 0, tmp_path / "adapter", task_id=77)
+    shapes, layers = model_shapes(checkpoint_dir)
+    dirs = AdapterDirectories(tmp_path / "cache", shapes, layers, max_rank=64, capacity=4)
+    with pytest.raises(AdapterError, match="another base"):
+        dirs.path(77, stranger.tensors)
+    assert 77 not in dirs
