@@ -48,9 +48,6 @@ class AdapterCatalog:
                 self._listed_at = time.monotonic()
             return self._names
 
-    async def exists(self, name: str) -> bool:
-        return name in await self.names()
-
 
 def list_adapters(url: str) -> frozenset[str]:
     """The names of the subdirectories of ``url`` that hold an adapter config."""

@@ -5,10 +5,18 @@ from __future__ import annotations
 import torch
 
 
-def hf_greedy(model, tokenizer, prompt: str, max_tokens: int, end_id: int | None = None):
-    """Greedy continuation ids of ``prompt``, stopping at ``end_id`` (excluded)."""
+def hf_greedy(
+    model,
+    tokenizer,
+    prompt: str,
+    max_tokens: int,
+    end_id: int | None = None,
+    ignore_eos: bool = False,
+):
+    """Greedy continuation ids of ``prompt``, stopping at ``end_id`` (excluded), or
+    ``max_tokens`` long whatever the end token with ``ignore_eos``."""
     ids = torch.tensor([tokenizer.encode(prompt)])
-    eos = tokenizer.eos_token_id if end_id is None else end_id
+    eos = None if ignore_eos else tokenizer.eos_token_id if end_id is None else end_id
     with torch.inference_mode():
         out = model.generate(
             ids,
@@ -18,7 +26,7 @@ def hf_greedy(model, tokenizer, prompt: str, max_tokens: int, end_id: int | None
             pad_token_id=tokenizer.pad_token_id,
         )
     generated = out[0, ids.shape[1] :].tolist()
-    if eos in generated:
+    if eos is not None and eos in generated:
         generated = generated[: generated.index(eos)]
     return generated
 

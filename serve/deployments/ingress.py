@@ -179,14 +179,17 @@ class OpenAIIngress:
         return self._alternatives[model.id]
 
     async def adapters(self, model: ModelConfig) -> list[str]:
+        return sorted(await self._adapter_names(model))
+
+    async def _adapter_names(self, model: ModelConfig) -> frozenset[str]:
         try:
-            return sorted(await self._adapters[model.id].names())
+            return await self._adapters[model.id].names()
         except OSError as error:
             log.warning("model %s: the adapter directory cannot be listed: %s", model.id, error)
             raise Overloaded(f"model {model.id!r}'s adapters cannot be listed now; retry") from None
 
     async def _require_adapter(self, model: ModelConfig, adapter: str) -> None:
-        if adapter not in await self.adapters(model):
+        if adapter not in await self._adapter_names(model):
             raise NotFound(
                 f"model {model.adapter_id(adapter)!r} does not exist: {model.id!r} has no "
                 f"adapter {adapter!r}",

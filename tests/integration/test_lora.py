@@ -19,10 +19,10 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 from tests.integration.cluster import app_config, descendants
 from tests.lora_adapters import make_adapter, make_adapters, other_base
+from tests.reference import hf_greedy
 from tritonllm import lora
 
 pytestmark = pytest.mark.integration
@@ -38,16 +38,7 @@ FIXED = {"autoscaling_config": None, "num_replicas": 1, "health_check_period_s":
 def peft_greedy(model, tokenizer, prompt: str, tokens: int) -> str:
     """PEFT's own greedy continuation of ``prompt``, ``tokens`` long whatever the end
     token (the requests say ignore_eos), as text."""
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            max_new_tokens=tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    generated = out[0, ids.shape[1] :].tolist()
+    generated = hf_greedy(model, tokenizer, prompt, tokens, ignore_eos=True)
     assert len(generated) == tokens
     return tokenizer.decode(generated, skip_special_tokens=True)
 

@@ -27,7 +27,12 @@ import pytest
 from serve.triton.launcher import free_port
 from tests.conftest import ROOT
 from tests.integration.test_serve_app import wait_ready
-from tests.processes import is_loopback_address, listener_sockets, listening_inodes
+from tests.processes import (
+    is_loopback_address,
+    listener_sockets,
+    listening_inodes,
+    processes_with_env,
+)
 
 pytestmark = pytest.mark.integration
 # Serve stops its replicas, their Tritons, then Ray: 12-28 s measured with other stacks
@@ -40,29 +45,12 @@ def wait_for_tritons(marker: bytes, count: int, timeout_s: float) -> dict[int, s
     """The marked processes once ``count`` of them are Triton servers."""
     deadline = time.monotonic() + timeout_s
     while True:
-        running = processes_with(marker)
+        running = processes_with_env(marker)
         tritons = sum("tritonserver" in cmd for cmd in running.values())
         if tritons >= count:
             return running
         assert time.monotonic() < deadline, f"{tritons} of {count} Tritons: {running}"
         time.sleep(1)
-
-
-def processes_with(marker: bytes) -> dict[int, str]:
-    """Live processes whose environment holds ``marker``: pid -> command line."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue  # exited, waiting for its parent to reap it
-            found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-    return found
 
 
 class Terminal:
@@ -111,7 +99,7 @@ class Terminal:
 def wait_for_exit(marker: bytes, limit_s: float, poll_s: float = 0.2) -> tuple[float, dict]:
     """Seconds until no process holds ``marker`` (at most ``limit_s``), and what is left."""
     started = time.monotonic()
-    while (left := processes_with(marker)) and time.monotonic() - started < limit_s:
+    while (left := processes_with_env(marker)) and time.monotonic() - started < limit_s:
         time.sleep(poll_s)
     return time.monotonic() - started, left
 
@@ -194,7 +182,7 @@ def test_make_run_listens_on_loopback_and_stops_every_process_and_port(
         assert not still, f"sockets still listening after {stop}: {still}"
         print(f"everything stopped {took:.1f} s after {stop}, {len(held)} ports free")
     finally:
-        for pid in processes_with(marker):
+        for pid in processes_with_env(marker):
             os.kill(pid, signal.SIGKILL)
         if not terminal.exited():
             os.kill(terminal.pid, signal.SIGKILL)

@@ -255,6 +255,7 @@ def test_the_ingress_answers_404_naming_an_adapter_not_in_the_directory(tmp_path
 
     class Ingress:  # the ingress's methods, without Serve
         adapters = OpenAIIngress.adapters
+        _adapter_names = OpenAIIngress._adapter_names
         _require_adapter = OpenAIIngress._require_adapter
         _adapters = {"base": AdapterCatalog(str(tmp_path))}
 
