@@ -71,6 +71,12 @@ POSTPROCESSING = "postprocessing"
 _ENGINE_EXTENSION_INPUTS = (
     _ext("num_top_log_probs", "INT32", 1, optional=True),
     _ext("return_prompt_log_probs", "BOOL", 1, optional=True),
+    # A request resumed where another replica lost it (serve/migration.py): the last
+    # this-many input ids are its own earlier output. The engine counts them as
+    # generated for the presence and frequency penalties, replays the guide's grammar
+    # over them and draws the next token as the seed's next draw; max_tokens and
+    # min_tokens count only the new tokens.
+    _ext("resumed_output_len", "INT32", 1, optional=True),
 )
 
 # A response carries these when asked for; the prompt's and the cache count on a

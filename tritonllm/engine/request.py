@@ -33,6 +33,13 @@ class GenerationRequest:
     # (lora_weights, lora_config) when the engine may not hold it yet.
     lora_task_id: int | None = None
     lora: LoraTensors | None = field(default=None, compare=False, repr=False)
+    # The last this-many input ids are the request's own earlier output (a request
+    # resumed on another replica; tritonllm.contract's resumed_output_len).
+    resumed_output_len: int = 0
+
+    @property
+    def resumed_ids(self) -> tuple[int, ...]:
+        return self.input_ids[len(self.input_ids) - self.resumed_output_len :]
 
     def validate(self, max_seq_len: int, vocab_size: int) -> None:
         """Reject what cannot be served, naming the limit (before any compute)."""
@@ -43,6 +50,11 @@ class GenerationRequest:
         bad = [t for t in self.input_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequest(f"input_ids contains ids outside [0, {vocab_size}): {bad[:5]}")
+        if not 0 <= self.resumed_output_len < len(self.input_ids):
+            raise InvalidRequest(
+                f"resumed_output_len must be in [0, {len(self.input_ids)}) (the input's "
+                f"length), got {self.resumed_output_len}"
+            )
         if not 0 <= self.num_top_log_probs <= MAX_TOP_LOG_PROBS:
             raise InvalidRequest(
                 f"num_top_log_probs must be in [0, {MAX_TOP_LOG_PROBS}], "

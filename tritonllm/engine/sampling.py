@@ -1,7 +1,10 @@
 """Per-request sampling: logits processing, the token choice and its log-prob.
 
 Each sequence owns a :class:`TokenSampler` with its own ``torch.Generator``, so
-a seeded request draws the same tokens whatever else shares the batch.
+a seeded request draws the same tokens whatever else shares the batch. The seed
+advances with the answer: the token at answer position ``i`` is drawn by the generator
+seeded with ``seed + i * SEED_STRIDE`` (mod 2**64), so a request resumed at position
+``i`` on another replica (``resumed``, the answer so far) draws what the uncut one would.
 
 Guided decoding: a constrained sequence's sampler holds an XGrammar matcher and a
 bitmask of the tokens its grammar allows next. The mask applies after the logit bias
@@ -72,20 +75,35 @@ class SamplingParams:
 
 _NO_IDS = torch.empty((1, 0), dtype=torch.long)
 
+# Between the seeds of consecutive answer positions (2**64 / golden ratio: positions of
+# one seed, and nearby seeds, get far-apart generator seeds).
+SEED_STRIDE = 0x9E3779B97F4A7C15
+
 
 class TokenSampler:
     """Chooses the next token of one sequence from its last logits.
 
     ``matcher`` (an ``xgrammar.GrammarMatcher``, from
     :meth:`tritonllm.guided.GuideCompiler.matcher`) constrains the choice to its grammar,
-    compiled for ``vocab_size`` tokens (the logits' width).
+    compiled for ``vocab_size`` tokens (the logits' width). ``resumed``: the answer so
+    far of a request resumed on another replica (the end of its prompt), taken as
+    generated: the grammar is replayed over it, the penalties count it, and the seed
+    continues after it.
     """
 
     def __init__(
-        self, params: SamplingParams, end_id: int | None, matcher=None, vocab_size: int = 0
+        self,
+        params: SamplingParams,
+        end_id: int | None,
+        matcher=None,
+        vocab_size: int = 0,
+        resumed: tuple[int, ...] = (),
     ):
         self.params = params
         self._matcher = matcher
+        self._resumed = len(resumed)
+        # A negative end id (-1, TensorRT-LLM's "no end id": ignore_eos) ends nothing.
+        self._end_id = end_id if end_id is not None and end_id >= 0 else None
         # The grammar admits no further token (complete, and no end token to choose):
         # the scheduler ends the sequence with "stop".
         self.guide_terminated = False
@@ -95,9 +113,8 @@ class TokenSampler:
             self._xgr = xgr
             self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
             self._device_bitmask = self._bitmask
+            self._replay(resumed)
             self._fill_bitmask()
-        # A negative end id (-1, TensorRT-LLM's "no end id": ignore_eos) ends nothing.
-        self._end_id = end_id if end_id is not None and end_id >= 0 else None
         self._processors = _build_processors(params)
         self._reads_history = bool(
             params.repetition_penalty != 1.0
@@ -110,9 +127,7 @@ class TokenSampler:
             self._bias_ids = torch.tensor(ids, dtype=torch.long)
             self._bias_values = torch.tensor(values, dtype=torch.float32)
         self._generator = torch.Generator(device="cpu")
-        if params.seed is not None:
-            self._generator.manual_seed(params.seed % 2**64)
-        else:
+        if params.seed is None:
             self._generator.seed()
 
     def __call__(self, logits: torch.Tensor, history, num_generated: int) -> int:
@@ -130,9 +145,8 @@ class TokenSampler:
                 self._bias_values = self._bias_values.to(scores.device)
             scores[0].index_add_(0, self._bias_ids, self._bias_values)
         if self._reads_history:
-            scores = self._penalize(
-                scores, torch.as_tensor(history, dtype=torch.long), num_generated
-            )
+            history = torch.as_tensor(history, dtype=torch.long)
+            scores = self._penalize(scores, history, num_generated)
         elif num_generated < self.params.min_tokens and self._end_id is not None:
             scores[:, self._end_id] = float("-inf")
         if self._matcher is not None:
@@ -143,6 +157,9 @@ class TokenSampler:
             # Temperature, top-k and top-p warpers ignore input_ids.
             scores = self._processors(_NO_IDS, scores)
             probs = torch.softmax(scores, dim=-1)
+            if self.params.seed is not None:
+                position = self._resumed + num_generated
+                self._generator.manual_seed((self.params.seed + position * SEED_STRIDE) % 2**64)
             token = int(torch.multinomial(probs.cpu(), 1, generator=self._generator))
         if self._matcher is not None:
             self._accept(token)
@@ -174,6 +191,14 @@ class TokenSampler:
             self._xgr.apply_token_bitmask_inplace(scores, self._device_bitmask, vocab_size=vocab)
         return scores
 
+    def _replay(self, resumed: tuple[int, ...]) -> None:
+        """The grammar's state after the answer so far (a resumed request's)."""
+        for at, token in enumerate(resumed):
+            if token == self._end_id or not self._matcher.accept_token(token):
+                raise InvalidRequest(
+                    f"the resumed output leaves the guide's grammar at its token {at} ({token})"
+                )
+
     def _accept(self, token: int) -> None:
         if token == self._end_id:
             return  # the sequence ends here; nothing follows to constrain
@@ -187,10 +212,11 @@ class TokenSampler:
             scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(
                 history.unsqueeze(0), scores
             )
-        if (p.presence_penalty or p.frequency_penalty) and num_generated:
+        answered = self._resumed + num_generated  # a resumed request's earlier ones too
+        if (p.presence_penalty or p.frequency_penalty) and answered:
             # OpenAI's presence/frequency penalties over the generated tokens;
             # transformers has no processor for them.
-            generated = history[-num_generated:]
+            generated = history[-answered:]
             counts = torch.bincount(generated, minlength=scores.shape[-1]).to(scores.dtype)
             scores = scores - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
         if num_generated < p.min_tokens and self._end_id is not None:

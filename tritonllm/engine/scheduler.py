@@ -276,12 +276,15 @@ class Engine:
             if request.guide_type is not None:
                 guided.grammar(request.guide_type, request.guide)
             return self.runner.sampler(request)
+        resumed = request.resumed_ids
         if request.guide_type is None:
-            return TokenSampler(request.sampling, request.end_id)
+            return TokenSampler(request.sampling, request.end_id, resumed=resumed)
         compiler = self._guide_compiler()
         compiled = compiler.compile(request.guide_type, request.guide)
         matcher = compiler.matcher(compiled, request.end_id)
-        return TokenSampler(request.sampling, request.end_id, matcher, compiler.vocab_size)
+        return TokenSampler(
+            request.sampling, request.end_id, matcher, compiler.vocab_size, resumed=resumed
+        )
 
     def _acquire_adapter(self, request: GenerationRequest) -> Adapter | None:
         """The request's LoRA adapter, loaded from its weights or found in the cache and

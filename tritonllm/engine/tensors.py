@@ -125,6 +125,7 @@ def to_generation_request(request_id: str, get: Getter) -> GenerationRequest:
         guide=guide,
         lora_task_id=_scalar(get, "lora_task_id", int),
         lora=_lora(get),
+        resumed_output_len=_scalar(get, "resumed_output_len", int, 0),
     )
 
 
