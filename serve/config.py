@@ -271,6 +271,14 @@ class ModelConfig(_Strict):
         "(<tool_call> JSON: Hermes, Qwen 2.5/3, the default model) or llama3_json (Llama "
         "3.1+); unset, requests with tools are refused (docs/structured-outputs.md)",
     )
+    max_migrations: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="how many times a generation whose replica is lost (its actor, its "
+        "Triton or its node) is resumed on another replica where it was cut: the client's "
+        "stream goes on; past this, an error (docs/operations.md#replica-loss)",
+    )
     optional: bool = Field(
         False,
         description="serve this model only where its repository is built: an unbuilt one "

@@ -39,6 +39,9 @@ class GenerateParams:
     prompt_log_probs: bool = False  # the prompt's tokens' too (completions' echo)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit
     prompt_token_ids: tuple[int, ...] = ()  # a prompt the client tokenized itself
+    # A request resumed on another replica (serve/migration.py): the last this-many
+    # prompt_token_ids are the answer so far, continued as if never cut.
+    resumed_tokens: int = 0
     # Guided decoding (TensorRT-LLM's guide types, tritonllm.contract.GUIDE_TYPES): the
     # answer is held to this grammar ("json_schema" with a schema's text, "regex", ...).
     guide_type: str | None = None

@@ -97,11 +97,14 @@ class ChunkReader:
         steps = [] if positions is None else list(zip(completion.token_ids, positions, strict=True))
         cum = completion.cumulative_logprob
         ended_by_end_token = completion.finish_reason == "stop" and completion.stop_reason is None
-        if ended_by_end_token and steps:
+        ids = list(completion.token_ids)
+        if ended_by_end_token and ids:
             # vLLM returns the end token (its ids, log probabilities and cumulative log
             # probability hold it); the Triton path counts it only, as TensorRT-LLM.
-            end, position = steps.pop()
-            cum = None if cum is None else cum - position[end].logprob
+            ids.pop()
+            if steps:
+                end, position = steps.pop()
+                cum = None if cum is None else cum - position[end].logprob
         return GenerationChunk(
             text=completion.text,
             num_input_tokens=len(output.prompt_token_ids or ()),
@@ -109,6 +112,7 @@ class ChunkReader:
             cum_log_prob=cum,
             finish_reason=completion.finish_reason if output.finished else None,
             num_cached_tokens=output.num_cached_tokens or 0,
+            token_ids=tuple(ids),  # always: a lost replica's answer resumes from them
             **self._log_probs(steps, positions is not None),
             prompt=self._prompt(output),
         )
@@ -120,7 +124,6 @@ class ChunkReader:
             return {}
         k = self.params.top_log_probs
         return {
-            "token_ids": tuple(token for token, _ in steps),
             "token_log_probs": tuple(position[token].logprob for token, position in steps),
             "top_log_probs": tuple(top(position, k) for _, position in steps) if k else (),
         }

@@ -288,7 +288,7 @@ async def _events(body: SamplingFields, starts, kind: str, base: dict, log_probs
                 yield event([opening])
         async for index, chunk in merge(starts):
             lasts[index] = chunk
-            if chunk.text or chunk.finish_reason or chunk.token_ids:
+            if chunk.text or chunk.finish_reason or (log_probs and chunk.token_ids):
                 extra = {"usage": usage(lasts)} if body.continuous_usage else {}
                 shaped = log_probs and log_probs(index, chunk)
                 if parsers is None:

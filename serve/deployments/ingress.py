@@ -6,9 +6,10 @@ closing the handle's generator makes Serve cancel the replica's ``generate``,
 whose host then stops the engine's sequence.
 
 Failures of the replicas are turned into OpenAI errors here, the one place that
-holds the handles: a replica that lost its Triton (or died) is retried once for a
-request that has sent nothing yet, else answered 503 with ``Retry-After``; a
-full deployment (``max_queued_requests``) is a 503 at once.
+holds the handles: a request whose replica lost its Triton (or died) resumes on
+another replica where it was cut (``serve/migration.py``), up to the model's
+``max_migrations`` times, else is answered 503 with ``Retry-After``; a full
+deployment (``max_queued_requests``) is a 503 at once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import numpy as np
 from ray import serve
@@ -37,6 +39,7 @@ from serve.config import AppConfig, ModelConfig
 from serve.deployments.response_store import open_response_store
 from serve.generation import GenerateParams, GenerationChunk, coalesce
 from serve.metrics import MetricsPublisher, RequestMetrics, replica_labels
+from serve.migration import CannotResume, Resumable
 from serve.triton import repository
 from serve.triton.host import GenerationError
 
@@ -45,6 +48,10 @@ log = logging.getLogger("ray.serve")
 # How long /health and /metrics wait for Serve's controller or the metrics collector
 # (neither queues behind generation traffic; a miss means it is down or restarting).
 CONTROL_TIMEOUT_S = 5.0
+
+# After a move to another replica that was lost before sending anything, the next move
+# waits this long times the moves so far (routers learn of a dead replica in that time).
+MIGRATION_BACKOFF_S = 0.5
 
 # How the engines word a prompt that does not fit the model's context (ours:
 # tritonllm.engine.request; TensorRT-LLM's: "... exceeds maximum input length"; vLLM's:
@@ -106,10 +113,11 @@ def _tokenizer_dir(model: ModelConfig):
     return repository.tokenizer_dir(model.triton.repository_path())
 
 
-def _serves_alternatives(model: ModelConfig) -> bool:
-    """Top-k and prompt log probabilities: vLLM and the torch engine, not TensorRT-LLM."""
+def _serves_engine_extensions(model: ModelConfig) -> bool:
+    """Whether the model's engine takes the contract's extensions (the torch engine, not
+    TensorRT-LLM's backends nor vLLM)."""
     if model.engine == "vllm":
-        return True
+        return False
     repo = model.triton.repository_path()
     return repository.serves_engine_extensions(repo, model.engine_model())
 
@@ -142,8 +150,8 @@ class OpenAIIngress:
         checkpoints = {m.id: _tokenizer_dir(m) for m in config.models if m.task == "generate"}
         self.tokenizers = {i: load_tokenizer(str(d)) for i, d in checkpoints.items()}
         self._sampling = {i: SamplingDefaults.from_checkpoint(d) for i, d in checkpoints.items()}
-        self._alternatives = {
-            m.id: _serves_alternatives(m) for m in config.models if m.task == "generate"
+        self._extensions = {
+            m.id: _serves_engine_extensions(m) for m in config.models if m.task == "generate"
         }
         # Each LoRA model's adapter directory, listed at most every few seconds.
         self._adapters = {
@@ -176,7 +184,8 @@ class OpenAIIngress:
         return self._sampling[model.id]
 
     def serves_alternatives(self, model: ModelConfig) -> bool:
-        return self._alternatives[model.id]
+        # Top-k and prompt log probabilities: vLLM and the torch engine (an extension).
+        return model.engine == "vllm" or self._extensions[model.id]
 
     async def adapters(self, model: ModelConfig) -> list[str]:
         return sorted(await self._adapter_names(model))
@@ -200,10 +209,9 @@ class OpenAIIngress:
     # -- generation ----------------------------------------------------------------------
 
     async def start(self, model: ModelConfig, params: GenerateParams):
-        """Peek the first chunk, retrying once on a lost replica (nothing was sent yet)."""
-        return await self._retrying_once(self._peek, model, params)
-
-    async def _peek(self, model: ModelConfig, params: GenerateParams):
+        """The first chunk (a lost replica's request resumes elsewhere) and the rest."""
+        if params.adapter is not None:
+            await self._require_adapter(model, params.adapter)
         stream = self._stream(model, params)
         try:
             first = await stream.__anext__()
@@ -213,20 +221,8 @@ class OpenAIIngress:
         return first, stream
 
     async def collect(self, model: ModelConfig, params: GenerateParams):
-        return await self._retrying_once(self._collect, model, params)
-
-    async def _retrying_once(self, attempt, model: ModelConfig, params: GenerateParams):
-        """``attempt`` again on another replica if its replica was lost (the client has
-        been sent nothing yet)."""
         if params.adapter is not None:
             await self._require_adapter(model, params.adapter)
-        try:
-            return await attempt(model, params)
-        except ReplicaLost as error:
-            log.warning("request %s: %s; retrying once", params.request_id, error.message)
-            return await attempt(model, params)
-
-    async def _collect(self, model: ModelConfig, params: GenerateParams):
         text, token_ids, log_probs, top = [], [], [], []
         prompt = None
         async for chunk in self._stream(model, params):
@@ -246,37 +242,85 @@ class OpenAIIngress:
     async def _stream(
         self, model: ModelConfig, params: GenerateParams
     ) -> AsyncIterator[GenerationChunk]:
-        """The replica's chunks, with errors mapped and the latency figures recorded."""
+        """The answer's chunks, with errors mapped and the latency figures recorded; a
+        request whose replica is lost resumes on another one where it was cut
+        (:mod:`serve.migration`), up to the model's ``max_migrations`` times."""
+        metrics = self.metrics.model(params.variant or model.id)
+        answer = Resumable(
+            params,
+            lambda: self.tokenizers[model.id],
+            model.max_migrations,
+            engine_resumes=self._extensions.get(model.id, False),
+        )
+        metrics.started()
+        clock = TextClock(metrics)
+        attempt, chunk = params, None
+        try:
+            while True:
+                try:
+                    # aclosing: a client that goes away cancels the replica's call at once.
+                    async with aclosing(self._attempt(model, attempt)) as chunks:
+                        async for chunk in chunks:
+                            chunk = answer.deliver(chunk)
+                            clock.saw(chunk)
+                            yield chunk
+                    return
+                except ReplicaLost as error:
+                    if answer.finished:  # lost after its last token: only the end is due
+                        chunk = answer.final_chunk()
+                        yield chunk
+                        return
+                    attempt = await self._moved(answer, error, metrics)
+        finally:
+            if chunk is not None:  # the prompt and what was generated, also if cancelled
+                metrics.tokens(chunk.num_input_tokens, chunk.num_output_tokens)
+            metrics.ended(had_text=clock.had_text)
+
+    @staticmethod
+    async def _moved(answer: Resumable, error: ReplicaLost, metrics) -> GenerateParams:
+        """The request continuing ``answer`` on another replica; ``error`` (with why)
+        when it may not."""
+        try:
+            resumed = answer.resume()
+        except CannotResume as refusal:
+            metrics.migration("refused")
+            log.warning("request %s: %s; not resumed: %s", answer.params.request_id, error, refusal)
+            raise ReplicaLost(f"{error.message}; {refusal}") from None
+        metrics.migration("resumed")
+        log.warning(
+            "request %s: %s; resuming on another replica after %d tokens (move %d)",
+            answer.params.request_id,
+            error.message,
+            answer.delivered,
+            answer.migrations,
+        )
+        if answer.stalled:
+            # The last move got nothing either: its replica was lost too (dying, or
+            # not yet known dead to the routers). They get a moment to drop it.
+            await asyncio.sleep(MIGRATION_BACKOFF_S * answer.migrations)
+        return resumed
+
+    async def _attempt(
+        self, model: ModelConfig, params: GenerateParams
+    ) -> AsyncIterator[GenerationChunk]:
+        """One replica's chunks for ``params``, its failures as the client's errors."""
         # A variant or an adapter goes to a replica that already holds it (Serve's
         # multiplexing).
         adapter = params.adapter and model.adapter_id(params.adapter)
         handle = self.replicas[model.id].options(
             stream=True, multiplexed_model_id=adapter or params.variant or ""
         )
-        metrics = self.metrics.model(params.variant or model.id)
-        responses = chunk = None
-        last = time.monotonic()
-        first, finished = True, False
-        metrics.started()
+        responses = None
+        finished = False
         try:
             responses = handle.generate.remote(params)
             # Chunks that Ray delivers while this replica is busy become one SSE event.
             async for chunk in coalesce(responses):
-                if chunk.text:
-                    now = time.monotonic()
-                    if first:
-                        metrics.first_text(now - last)
-                    else:
-                        metrics.next_text(now - last)
-                    first, last = False, now
                 yield chunk
             finished = True
         except Exception as error:
             raise _translate(error) from None
         finally:
-            if chunk is not None:  # the prompt and what was generated, also if cancelled
-                metrics.tokens(chunk.num_input_tokens, chunk.num_output_tokens)
-            metrics.ended(had_text=not first)
             if responses is not None and not finished:
                 _cancel(responses)
 
@@ -318,6 +362,26 @@ class OpenAIIngress:
     def __del__(self):
         if self._publisher is not None:
             self._publisher.stop()
+
+
+class TextClock:
+    """A generation's time to first text and between texts, as its client sees them
+    (a migration's gap included)."""
+
+    def __init__(self, metrics):
+        self._metrics = metrics
+        self._last = time.monotonic()
+        self.had_text = False
+
+    def saw(self, chunk: GenerationChunk) -> None:
+        if not chunk.text:
+            return
+        now = time.monotonic()
+        if self.had_text:
+            self._metrics.next_text(now - self._last)
+        else:
+            self._metrics.first_text(now - self._last)
+        self.had_text, self._last = True, now
 
 
 def not_running(status, handle) -> str | None:

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -22,6 +23,9 @@ from serve.triton.select import choose_host
 from tritonllm import contract, lora
 
 log = logging.getLogger("ray.serve")
+
+# How often a replica looks whether its Triton child process is alive (a waitpid).
+TRITON_WATCH_S = 0.2
 
 
 class TritonReplica:
@@ -52,6 +56,7 @@ class TritonReplica:
         self.host = host or choose_host(model.triton, model.startup_models())
         # Starting Triton blocks for seconds to minutes: off the event loop.
         await asyncio.to_thread(self.host.start)
+        self._watch = asyncio.create_task(self._exit_with_triton())
         self._metrics = None  # Triton's metrics text, to the app's collector (GET /metrics)
         if metrics_collector is not None:
             self._metrics = MetricsPublisher(metrics_collector, self.host.metrics, replica_labels())
@@ -80,6 +85,18 @@ class TritonReplica:
             self._adapter = serve.multiplexed(
                 max_num_models_per_replica=model.lora.max_num_adapters_per_replica
             )(load_adapter)
+
+    async def _exit_with_triton(self) -> None:
+        """A replica whose Triton died cannot serve again: it exits at once, so that
+        Serve's routers drop it and its controller starts another, and the generations
+        it was serving resume on the other replicas (serve/migration.py). Left to its
+        health check, it would take three failed checks, and the routers would go on
+        sending it requests (the least loaded replica, now) that fail at once."""
+        while not self.host.exited():
+            await asyncio.sleep(TRITON_WATCH_S)
+        log.error("Triton exited: the replica exits for Serve to replace it")
+        logging.shutdown()
+        os._exit(1)
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerationChunk]:
         triton_model = self.model.entry_model()

@@ -54,6 +54,10 @@ class TritonHost(Protocol):
     async def is_ready(self, model: str = contract.ENSEMBLE) -> bool:
         """Triton alive and ``model`` ready (the replica's health check)."""
 
+    def exited(self) -> bool:
+        """Triton is gone without being stopped (a child process that died; never for
+        Triton in the replica's own process, which dies with it)."""
+
     def generate(
         self, params: GenerateParams, model: str = contract.ENSEMBLE
     ) -> AsyncIterator[GenerationChunk]:

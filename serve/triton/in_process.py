@@ -136,6 +136,9 @@ class InProcessHost:
         except tritonserver.TritonError as error:
             log.warning("stopping in-process Triton: %s", _message(error))
 
+    def exited(self) -> bool:
+        return False  # a Triton that dies takes this process with it
+
     async def is_ready(self, model: str = contract.ENSEMBLE) -> bool:
         if self._server is None:
             return False

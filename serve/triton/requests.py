@@ -14,6 +14,8 @@ import numpy as np
 from serve.generation import GenerateParams, GenerationChunk, PromptLogProbs, TopLogProbs
 from tritonllm import contract
 
+_NO_IDS = np.empty(0, dtype=np.int32)
+
 _OPTIONAL_SCALARS = (
     "temperature",
     "top_p",
@@ -44,6 +46,8 @@ def ensemble_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
             values[name] = np.array([[value]], dtype=spec.numpy_dtype)
     if params.prompt_token_ids:
         values["input_ids"] = np.array([params.prompt_token_ids], dtype=np.int32)
+    if params.resumed_tokens:
+        values["resumed_output_len"] = np.array([[params.resumed_tokens]], dtype=np.int32)
     if params.ignore_eos:  # TensorRT-LLM's "no end id"
         values["end_id"] = np.array([[-1]], dtype=np.int32)
     if params.stop:
@@ -79,9 +83,11 @@ def ensemble_outputs(params: GenerateParams) -> tuple[str, ...]:
     """The ensemble outputs a chunk is made of: asking for no others spares Triton and
     the replica a serialization and a parse of each per response."""
     # num_cached_tokens is on a request's first response only (where the engine has it).
-    names = ("text_output", "num_input_tokens", "num_output_tokens", "num_cached_tokens")
+    # output_ids always: a lost replica's answer resumes from them (serve/migration.py).
+    names = ("text_output", "output_ids", "num_input_tokens", "num_output_tokens")
+    names += ("num_cached_tokens",)
     if params.return_log_probs:
-        names += ("cum_log_probs", "output_ids", "output_log_probs")
+        names += ("cum_log_probs", "output_log_probs")
     if params.top_log_probs:
         names += ("top_log_probs", "top_token_ids")
     if params.prompt_log_probs:
@@ -110,8 +116,10 @@ def chunk_from_outputs(
         return outputs[name].reshape(-1)[0] if name in outputs else None
 
     text = scalar("text_output")
+    ids = outputs.get("output_ids", _NO_IDS).reshape(-1)  # [1, beam 1, new tokens]
     chunk = GenerationChunk(
         text=text.decode() if isinstance(text, bytes) else str(text or ""),
+        token_ids=tuple(ids.tolist()),
         num_input_tokens=int(scalar("num_input_tokens") or 0),
         num_output_tokens=int(scalar("num_output_tokens") or 0),
         num_cached_tokens=int(
@@ -121,12 +129,10 @@ def chunk_from_outputs(
     if not params.return_log_probs:
         return chunk
     cum = scalar("cum_log_probs")
-    ids = outputs.get("output_ids", np.empty(0)).reshape(-1)  # [1, beam 1, new tokens]
     log_probs = outputs.get("output_log_probs", np.empty(0)).reshape(-1)[: len(ids)]
     return dataclasses.replace(
         chunk,
         cum_log_prob=None if cum is None else float(cum),
-        token_ids=tuple(ids.tolist()),
         token_log_probs=tuple(log_probs.tolist()),
         top_log_probs=_top(outputs, "top", len(ids)) if params.top_log_probs else (),
         prompt=_prompt(outputs) if params.prompt_log_probs else None,

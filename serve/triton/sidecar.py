@@ -114,6 +114,7 @@ class SidecarHost:
             Path(repository), extra_args=("--model-control-mode=explicit", *loads)
         )
         self._start_timeout_s = start_timeout_s
+        self._stopped = False
         self._clients: dict[asyncio.AbstractEventLoop, grpc_aio.InferenceServerClient] = {}
         self._engine_steps: dict[str, str] = {}
         self._outputs: dict[str, frozenset[str]] = {}
@@ -124,7 +125,11 @@ class SidecarHost:
         return self
 
     def stop(self) -> None:
+        self._stopped = True
         self.process.stop()
+
+    def exited(self) -> bool:
+        return not self._stopped and self.process.poll() is not None
 
     async def close(self) -> None:
         """Close this event loop's gRPC channel."""

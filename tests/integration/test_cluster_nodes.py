@@ -21,11 +21,20 @@ import yaml
 
 from serve.deploy_config import RAYSERVICE, deploy_config, load_base, spread_over_nodes
 from tests.integration.cluster import BIN, RayCluster, RedisServer, serve_config
-from tests.integration.test_production import TRITON, Load, complete, stream_events, wait_for
+from tests.integration.test_production import (
+    TRITON,
+    Load,
+    app_metrics,
+    complete,
+    metric_values,
+    stream_events,
+    wait_for,
+)
 from tests.soak_traffic import EMBEDDING_MODEL, Traffic
 
 pytestmark = pytest.mark.integration
 EMBEDDINGS = f"Triton-{EMBEDDING_MODEL}"
+LONG_STREAMS = 32  # in flight when a worker node is lost
 
 
 def gpu_app_config(repository, embedding_repository, **llm_deployment) -> dict:
@@ -149,13 +158,15 @@ def test_a_lost_worker_node_is_replaced_while_the_app_keeps_serving(
         victim = next(node for node in workers if node.name == placed[0])
 
         clients = 2 * ["completion", "completion-stream", "embeddings"]
-        with ThreadPoolExecutor(8) as pool, Traffic(cluster.url, clients=clients) as traffic:
+        with (
+            ThreadPoolExecutor(LONG_STREAMS) as pool,
+            Traffic(cluster.url, clients=clients) as traffic,
+        ):
             # Long streams on both replicas when the node goes: those on its replica are
-            # cut mid-answer. Eight: sent at once, Serve's router has placed four of
-            # four on one replica (a failed run), which leaves no survivor to check.
+            # cut mid-answer and resume on the other (serve/migration.py).
             long_streams = [
-                pool.submit(stream_events, cluster.url, max_tokens=400, min_tokens=400)
-                for _ in range(8)
+                pool.submit(stream_events, cluster.url, max_tokens=200, min_tokens=200)
+                for _ in range(LONG_STREAMS)
             ]
             time.sleep(5)
             killed_at = time.monotonic()
@@ -170,6 +181,7 @@ def test_a_lost_worker_node_is_replaced_while_the_app_keeps_serving(
             time.sleep(10)
             streams = [f.result(timeout=240) for f in long_streams]
             cut = [ended_with_error(events) for events in streams]
+            migrations = app_metrics(cluster.url)
             hanging = traffic.stop()
         before = traffic.counts(until=killed_at)
         during = traffic.counts(since=killed_at, until=killed_at + recovered_s)
@@ -178,14 +190,17 @@ def test_a_lost_worker_node_is_replaced_while_the_app_keeps_serving(
         print(f"before: {before}\nduring: {during}\nafter: {after}")
         print(f"long streams cut by the node's loss: {sum(cut)} of {len(cut)}")
         for events, was_cut in zip(streams, cut, strict=True):
-            print(f"  {len(events) - 2} chunks, then {events[-2] if was_cut else 'the end'}")
+            if was_cut:
+                print(f"  {len(events) - 2} chunks, then {events[-2]}")
     finally:
         cluster.stop()
     assert hanging == 0
     assert all(set(statuses) == {"200"} for statuses in after.values()), after
     assert recovered_s < 60, recovered_s
-    # Those on the lost replica ended with an error event, the others ran to their end.
-    assert 0 < sum(cut) < len(cut), cut
+    # Those on the lost replica resumed on the other one: every stream ran to its end.
+    assert sum(cut) == 0, cut
+    resumed = metric_values(migrations, "tritonllm_request_migrations_total", outcome="resumed")
+    assert sum(value for _, value in resumed) >= 1  # the lost node was serving some
     # Whole requests in flight on the lost node were retried once elsewhere.
     lost = before.get("completion", Counter()) + during.get("completion", Counter())
     assert set(lost) <= {"200", "503"}, lost

@@ -96,7 +96,10 @@ def test_modes_are_validated_by_name():
 def test_an_injected_host_is_used_as_it_is():
     started = []
     host = SimpleNamespace(
-        start=lambda: started.append(True), stop=lambda: None, metrics=lambda: None
+        start=lambda: started.append(True),
+        stop=lambda: None,
+        metrics=lambda: None,
+        exited=lambda: False,
     )
     model = ModelConfig(id="m", triton=TritonConfig(mode="in_process"))
 

@@ -99,6 +99,11 @@ def test_ensemble_inputs_follow_the_contract():
         if spec.triton_dtype != "TYPE_STRING":
             assert array.dtype == spec.numpy_dtype, name
     assert int(ensemble_inputs(params)["seed"][0, 0]) == 2**63
+    assert "resumed_output_len" not in ensemble_inputs(params)
+    resumed = GenerateParams("", 5, prompt_token_ids=(1, 7, 8), resumed_tokens=2)
+    inputs = ensemble_inputs(resumed)
+    assert inputs["resumed_output_len"].tolist() == [[2]]
+    assert inputs["input_ids"].tolist() == [[1, 7, 8]]
 
 
 def test_finish_reason_reads_length_only_at_max_tokens():

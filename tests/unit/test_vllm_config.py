@@ -255,11 +255,13 @@ def test_an_answer_not_ended_by_the_end_token_keeps_its_last_token(finish, stop)
     assert last.cum_log_prob == pytest.approx(-5.0)
 
 
-def test_without_log_probs_the_chunks_hold_text_and_counts_the_end_token_included():
+def test_without_log_probs_the_chunks_hold_text_ids_and_counts_the_end_token_included():
     chunks = read(GenerateParams(prompt="p", max_tokens=8), k=None)
     assert "".join(c.text for c in chunks) == " a b"
     assert [c.num_output_tokens for c in chunks] == [1, 2, 3]
-    assert all(c.token_ids == () and c.cum_log_prob is None for c in chunks)
+    # The ids always (a lost replica's answer resumes from them), the end token's not.
+    assert [c.token_ids for c in chunks] == [(11,), (23,), ()]
+    assert all(c.token_log_probs == () and c.cum_log_prob is None for c in chunks)
 
 
 # The model's log probabilities at the prompt's positions 1 and 2 (the prompt: 1, 5, 6).
