@@ -67,7 +67,7 @@ SOAK_ARGS   ?=
 
 .PHONY: venv venv-dev vllm-env engines run run-check triton triton-embeddings test test-unit lint \
 	redis bench bench-capacity bench-engine bench-embeddings bench-prefix bench-structured \
-	bench-lora \
+	bench-lora bench-migration \
 	soak gpu-smoke \
 	clean-engines clean
 
@@ -225,5 +225,10 @@ bench-structured: venv-dev
 # LoRA adapters vs the base on one stack over $(REPO): 16 streams on the base, 16 spread
 # over 8 adapters (PEFT, made in the run), alternated over 3 rounds; tokens/s and the
 # ratio, and a cold vs a cached adapter's first-request TTFT (build/bench-lora/results.json).
+# The gap a client sees when its stream moves off a lost replica, prefix cache on and
+# off (docs/operations.md#replica-loss).
+bench-migration: venv-dev
+	$(PY) -m bench.migration $(BENCH_ARGS)
+
 bench-lora: venv-dev engines
 	$(PY) -m bench.lora --repository $(REPO) $(BENCH_ARGS)

@@ -3,9 +3,9 @@
 The caller of a model's replicas (the ingress) sees every chunk it passes on, so when
 the replica serving a request is lost mid-answer it knows the prompt and every token
 the client has been sent. It resubmits the request as its prompt's ids followed by
-those tokens, for what remains of ``max_tokens``: the engine prefills them (its prefix
-cache holds the prompt where the request ran before on that replica, or a sibling did)
-and goes on from the next token. The client's stream continues without a marker.
+those tokens, for what remains of ``max_tokens``: the engine prefills them (reading
+from its prefix cache what that replica served before, a shared system prompt say) and
+goes on from the next token. The client's stream continues without a marker.
 
 Exactness. Greedy decoding depends only on the token sequence, so a greedy
 continuation equals an undisturbed run. The resumed text is decoded here from the
