@@ -89,7 +89,15 @@ _ENGINE_EXTENSION_OUTPUTS = (
     _ext("prompt_top_log_probs", "FP32", -1, -1),  # [prompt tokens, k]
     _ext("prompt_top_token_ids", "INT32", -1, -1),
     _ext("num_cached_tokens", "INT32", 1),  # prompt tokens read from the prefix cache
+    # Why the sequence ended, on its last response only: FINISH_REASONS' codes.
+    _ext("finish_reason", "INT32", 1),
 )
+
+# The finish_reason output's codes: TensorRT-LLM's (its executor's FinishReason), each
+# with the API's word for it. The torch engine sends 1 for every stop (the end token, a
+# stop word, a guide completed), 3 at max_tokens, 5 for a stopped request.
+FINISH_REASONS = {1: "stop", 2: "stop", 3: "length", 4: "length", 5: "cancelled"}
+FINISH_REASON_CODES = {"stop": 1, "length": 3, "cancelled": 5}
 
 # TensorRT-LLM's guided decoding inputs (its names and shapes, on the ensemble and the
 # tensorrt_llm step alike) and its guide types (tritonllm/guided.py compiles them).

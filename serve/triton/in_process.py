@@ -32,7 +32,7 @@ import tritonserver
 
 from serve.generation import GenerateParams, GenerationChunk
 from serve.triton.host import GenerationError
-from serve.triton.requests import chunk_from_outputs, ensemble_inputs, final_chunk, stop_inputs
+from serve.triton.requests import ResponseReader, ensemble_inputs, stop_inputs
 from serve.triton.sidecar import classify
 from tritonllm import contract
 
@@ -152,7 +152,7 @@ class InProcessHost:
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the answer's chunks, then one empty chunk with the finish reason."""
         responses = None
-        last = None
+        reader = ResponseReader(params)
         done = False
         try:
             try:
@@ -164,12 +164,11 @@ class InProcessHost:
                 async for response in responses:
                     outputs = response_outputs(response)
                     if outputs:  # a decoupled model's final response may be empty
-                        last = chunk_from_outputs(outputs, params, last)
-                        yield last
+                        yield reader.chunk(outputs)
             except tritonserver.TritonError as error:
                 raise from_triton_error(error) from None
             done = True
-            yield final_chunk(last, params)
+            yield reader.end()
         finally:
             if not done:  # the caller went away (or Triton failed): free the engine
                 if responses is not None:

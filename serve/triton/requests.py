@@ -82,10 +82,10 @@ def _lora_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
 def ensemble_outputs(params: GenerateParams) -> tuple[str, ...]:
     """The ensemble outputs a chunk is made of: asking for no others spares Triton and
     the replica a serialization and a parse of each per response."""
-    # num_cached_tokens is on a request's first response only (where the engine has it).
     # output_ids always: a lost replica's answer resumes from them (serve/migration.py).
     names = ("text_output", "output_ids", "num_input_tokens", "num_output_tokens")
-    names += ("num_cached_tokens",)
+    # On a request's first response, and on its last (where the engine has them).
+    names += ("num_cached_tokens", "finish_reason")
     if params.return_log_probs:
         names += ("cum_log_probs", "output_log_probs")
     if params.top_log_probs:
@@ -163,23 +163,44 @@ def _prompt(outputs: dict[str, np.ndarray]) -> PromptLogProbs | None:
     )
 
 
-def final_chunk(last: GenerationChunk | None, params: GenerateParams) -> GenerationChunk:
-    """The empty chunk that ends every stream, with the counts so far and the reason."""
+class ResponseReader:
+    """One request's ensemble responses as chunks (:meth:`chunk` each response's outputs,
+    then :meth:`end`): the loop both hosts run."""
+
+    def __init__(self, params: GenerateParams):
+        self.params = params
+        self.last: GenerationChunk | None = None
+        self.reason: str | None = None  # the engine's, on its last response
+
+    def chunk(self, outputs: dict[str, np.ndarray]) -> GenerationChunk:
+        code = outputs.get("finish_reason")
+        if code is not None:
+            self.reason = contract.FINISH_REASONS.get(int(code.reshape(-1)[0]), self.reason)
+        self.last = chunk_from_outputs(outputs, self.params, self.last)
+        return self.last
+
+    def end(self) -> GenerationChunk:
+        return final_chunk(self.last, self.params, self.reason)
+
+
+def final_chunk(
+    last: GenerationChunk | None, params: GenerateParams, reason: str | None = None
+) -> GenerationChunk:
+    """The empty chunk that ends every stream, with the counts so far and the reason:
+    the engine's, else :func:`inferred_finish_reason`."""
     return GenerationChunk(
         text="",
         num_input_tokens=last.num_input_tokens if last else 0,
         num_output_tokens=last.num_output_tokens if last else 0,
         cum_log_prob=last.cum_log_prob if last else None,
-        finish_reason=finish_reason(last, params),
+        finish_reason=reason or inferred_finish_reason(last, params),
         num_cached_tokens=last.num_cached_tokens if last else 0,
     )
 
 
-def finish_reason(last: GenerationChunk | None, params: GenerateParams) -> str:
-    """``length`` when max_tokens ended the answer, else ``stop`` (EOS or a stop word).
-
-    The ensemble reports no reason, so a stop word that lands exactly on the
-    max_tokens-th token reads as ``length``.
-    """
+def inferred_finish_reason(last: GenerationChunk | None, params: GenerateParams) -> str:
+    """For an engine that does not say (TensorRT-LLM's backends): ``length`` when
+    max_tokens ended the answer, else ``stop`` (the end token or a stop word), so a stop
+    word that lands exactly on the max_tokens-th token reads as ``length``."""
     produced = last.num_output_tokens if last else 0
     return "length" if produced >= params.max_tokens else "stop"

@@ -29,13 +29,7 @@ from serve.generation import GenerateParams, GenerationChunk
 from serve.triton.client import infer_inputs
 from serve.triton.host import GenerationError
 from serve.triton.launcher import TritonProcess
-from serve.triton.requests import (
-    chunk_from_outputs,
-    ensemble_inputs,
-    ensemble_outputs,
-    final_chunk,
-    stop_inputs,
-)
+from serve.triton.requests import ResponseReader, ensemble_inputs, ensemble_outputs, stop_inputs
 from tritonllm import contract
 
 log = logging.getLogger(__name__)
@@ -168,7 +162,7 @@ class SidecarHost:
         # request, against ~0.3 KiB for streams read to their end; make soak shows it as
         # tritonserver's resident memory growing); a stop ends the stream instead.
         reader = _StreamReader(self._client().stream_infer(requests()))
-        last = None
+        responses = ResponseReader(params)
         done = False
         try:
             while (item := await reader.next()) is not _END:
@@ -177,11 +171,9 @@ class SidecarHost:
                     raise classify(str(error.message()))
                 if result.get_response().outputs:  # an EOS's empty final response: none
                     arrays = {name: result.as_numpy(name) for name in names}
-                    outputs = {k: v for k, v in arrays.items() if v is not None}
-                    last = chunk_from_outputs(outputs, params, last)
-                    yield last
+                    yield responses.chunk({k: v for k, v in arrays.items() if v is not None})
             done = True
-            yield final_chunk(last, params)
+            yield responses.end()
         except grpc.RpcError as error:  # the stream itself broke
             raise self._lost(error.details()) from None
         finally:

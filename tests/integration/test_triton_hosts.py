@@ -103,6 +103,26 @@ def test_chunks_join_into_generate_and_the_last_gives_the_reason(
     assert chunks[-1].finish_reason == ("length" if len(expected) == max_tokens else "stop")
 
 
+def test_a_stop_word_on_the_last_allowed_token_ends_with_the_engines_stop(host, tokenizer):
+    """The engine says why it stopped (the contract's finish_reason): counting tokens
+    against max_tokens, as for an engine that does not, would read "length" here."""
+    prompt = "Where is the river?"
+    free = collect(host, GenerateParams(prompt, 12, ignore_eos=True))
+    ids = [token for chunk in free for token in chunk.token_ids]
+    for n in range(3, len(ids) + 1):  # a token whose text alone tokenizes back to it
+        word = tokenizer.decode([ids[n - 1]])
+        alone = tokenizer.encode(word, add_special_tokens=False) == [ids[n - 1]]
+        if word.strip() and alone and ids[n - 1] not in ids[: n - 1]:
+            break
+    else:
+        pytest.skip(f"no token of {ids} makes a stop word of its own")
+    chunks = collect(host, GenerateParams(prompt, n, ignore_eos=True, stop=(word,)))
+    assert chunks[-1].num_output_tokens == n
+    assert chunks[-1].finish_reason == "stop"
+    unstopped = collect(host, GenerateParams(prompt, n, ignore_eos=True))
+    assert unstopped[-1].finish_reason == "length"
+
+
 def test_triton_errors_arrive_with_their_kind_and_message(host):
     with pytest.raises(GenerationError, match="max_tokens must be > 0") as info:
         collect(host, GenerateParams("The cat", 0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -13,7 +14,7 @@ from serve.config import AppConfig
 from serve.generation import GenerateParams, GenerationChunk
 from serve.triton import repository
 from serve.triton.host import GenerationError
-from serve.triton.requests import ensemble_inputs, finish_reason
+from serve.triton.requests import ResponseReader, ensemble_inputs, inferred_finish_reason
 from serve.triton.sidecar import classify
 from tests.conftest import ROOT
 from tritonllm import contract
@@ -106,11 +107,40 @@ def test_ensemble_inputs_follow_the_contract():
     assert inputs["input_ids"].tolist() == [[1, 7, 8]]
 
 
-def test_finish_reason_reads_length_only_at_max_tokens():
+def test_without_the_engines_reason_length_is_read_only_at_max_tokens():
     params = GenerateParams("hi", 5)
-    assert finish_reason(GenerationChunk("", 1, 5), params) == "length"
-    assert finish_reason(GenerationChunk("", 1, 3), params) == "stop"
-    assert finish_reason(None, params) == "stop"
+    assert inferred_finish_reason(GenerationChunk("", 1, 5), params) == "length"
+    assert inferred_finish_reason(GenerationChunk("", 1, 3), params) == "stop"
+    assert inferred_finish_reason(None, params) == "stop"
+
+
+def outputs(ids: list[int], produced: int, reason: int | None = None) -> dict:
+    arrays = {
+        "text_output": np.array([b"x"], dtype=object),
+        "output_ids": np.array([[ids]], dtype=np.int32),
+        "num_input_tokens": np.array([[3]], dtype=np.int32),
+        "num_output_tokens": np.array([[produced]], dtype=np.int32),
+    }
+    return arrays | ({} if reason is None else {"finish_reason": np.array([[reason]])})
+
+
+@pytest.mark.parametrize(("code", "reason"), [(1, "stop"), (2, "stop"), (3, "length")])
+def test_the_engines_reason_ends_the_stream(code, reason):
+    """A stop word on the max_tokens-th token is the engine's "stop" (inferred, it
+    would read "length")."""
+    reader = ResponseReader(GenerateParams("hi", 2))
+    first = reader.chunk(outputs([7], 1))
+    last = reader.chunk(outputs([8], 2, code))
+    assert (first.token_ids, last.token_ids, first.finish_reason) == ((7,), (8,), None)
+    end = reader.end()
+    assert (end.finish_reason, end.num_output_tokens, end.text) == (reason, 2, "")
+
+
+def test_without_the_engines_reason_the_stream_ends_by_inference():
+    reader = ResponseReader(GenerateParams("hi", 2))
+    reader.chunk(outputs([7], 1))
+    reader.chunk(outputs([8], 2))
+    assert reader.end().finish_reason == "length"
 
 
 def test_a_chat_prompt_gets_exactly_one_bos(tokenizer):

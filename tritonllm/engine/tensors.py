@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tritonllm.contract import FINISH_REASON_CODES
 from tritonllm.engine.request import GenerationRequest
 from tritonllm.engine.sampling import SamplingParams
 from tritonllm.engine.scheduler import GenerationChunk
@@ -150,6 +151,9 @@ def _extension_tensors(chunk: GenerationChunk, request: GenerationRequest) -> di
     tensors = {}
     if request.num_top_log_probs and request.return_log_probs:
         tensors |= _top_tensors("top", chunk.top_log_probs, request.num_top_log_probs)
+    if chunk.finished and chunk.finish_reason in FINISH_REASON_CODES:  # the last response
+        code = FINISH_REASON_CODES[chunk.finish_reason]
+        tensors["finish_reason"] = np.array([[code]], dtype=np.int32)
     if chunk.num_cached_tokens is not None:  # the first response
         tensors["num_cached_tokens"] = np.array([[chunk.num_cached_tokens]], dtype=np.int32)
     if chunk.prompt_log_probs is not None:
