@@ -1,8 +1,9 @@
 """What a generation is on its way through the application, whoever serves it.
 
 ``GenerateParams`` goes from the API to a model's replicas, ``GenerationChunk``s come
-back: plain dataclasses (Ray pickles them) that neither the HTTP layer (``api/``) nor
-Triton (``triton/``) owns. :func:`coalesce` is how a hop sends what is ready.
+back, or a ``GenerationError``: plain classes (Ray pickles them) that neither the HTTP
+layer (``api/``) nor an engine's host (``triton/``, the vLLM server) owns.
+:func:`coalesce` is how a hop sends what is ready.
 """
 
 from __future__ import annotations
@@ -16,6 +17,25 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tritonllm.lora import LoraTensors
+
+
+class GenerationError(RuntimeError):
+    """The engine (behind Triton, or vLLM) refused or failed a request.
+
+    ``kind`` tells the front door which answer the client gets:
+    ``invalid`` (the request is wrong: 400), ``unavailable`` (the engine is full or
+    the server is going away: 503, retry), ``internal`` (anything else: 500).
+    """
+
+    INVALID, UNAVAILABLE, INTERNAL = "invalid", "unavailable", "internal"
+
+    def __init__(self, message: str, kind: str = INTERNAL):
+        super().__init__(message)
+        self.kind = kind
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind == self.UNAVAILABLE
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,10 @@ from serve.api.response_store import ResponseStore
 from serve.api.sampling import SamplingDefaults
 from serve.config import AppConfig, ModelConfig
 from serve.deployments.response_store import open_response_store
-from serve.generation import GenerateParams, GenerationChunk, coalesce
+from serve.generation import GenerateParams, GenerationChunk, GenerationError, coalesce
 from serve.metrics import MetricsPublisher, RequestMetrics, replica_labels
 from serve.migration import CannotResume, Resumable
 from serve.triton import repository
-from serve.triton.host import GenerationError
 
 log = logging.getLogger("ray.serve")
 

@@ -15,10 +15,10 @@ from ray import serve
 
 from serve.adapters import Adapter, read_adapter
 from serve.config import ModelConfig
-from serve.generation import GenerateParams, GenerationChunk, coalesce
+from serve.generation import GenerateParams, GenerationChunk, GenerationError, coalesce
 from serve.metrics import MetricsPublisher, replica_labels
 from serve.triton import repository
-from serve.triton.host import GenerationError, TritonHost
+from serve.triton.host import TritonHost
 from serve.triton.select import choose_host
 from tritonllm import contract, lora
 

@@ -31,8 +31,7 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMClientError
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-from serve.generation import GenerateParams, GenerationChunk, coalesce
-from serve.triton.host import GenerationError
+from serve.generation import GenerateParams, GenerationChunk, GenerationError, coalesce
 from serve.vllm_params import ChunkReader, sampling_kwargs
 
 

@@ -8,7 +8,7 @@
 
 Nothing above ``serve/triton/`` knows which one runs, and nothing above it sees a
 tritonclient or tritonserver exception: each host turns Triton's errors into
-:class:`GenerationError`.
+:class:`serve.generation.GenerationError`.
 """
 
 from __future__ import annotations
@@ -20,25 +20,6 @@ import numpy as np
 
 from serve.generation import GenerateParams, GenerationChunk
 from tritonllm import contract
-
-
-class GenerationError(RuntimeError):
-    """Triton refused or failed a request.
-
-    ``kind`` tells the front door which answer the client gets:
-    ``invalid`` (the request is wrong: 400), ``unavailable`` (the engine is full or
-    the server is going away: 503, retry), ``internal`` (anything else: 500).
-    """
-
-    INVALID, UNAVAILABLE, INTERNAL = "invalid", "unavailable", "internal"
-
-    def __init__(self, message: str, kind: str = INTERNAL):
-        super().__init__(message)
-        self.kind = kind
-
-    @property
-    def retryable(self) -> bool:
-        return self.kind == self.UNAVAILABLE
 
 
 class TritonHost(Protocol):

@@ -30,8 +30,7 @@ from pathlib import Path
 import numpy as np
 import tritonserver
 
-from serve.generation import GenerateParams, GenerationChunk
-from serve.triton.host import GenerationError
+from serve.generation import GenerateParams, GenerationChunk, GenerationError
 from serve.triton.requests import ResponseReader, ensemble_inputs, stop_inputs
 from serve.triton.sidecar import classify
 from tritonllm import contract

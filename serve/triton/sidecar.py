@@ -25,9 +25,8 @@ import numpy as np
 import tritonclient.grpc.aio as grpc_aio
 from tritonclient.utils import InferenceServerException
 
-from serve.generation import GenerateParams, GenerationChunk
+from serve.generation import GenerateParams, GenerationChunk, GenerationError
 from serve.triton.client import infer_inputs
-from serve.triton.host import GenerationError
 from serve.triton.launcher import TritonProcess
 from serve.triton.requests import ResponseReader, ensemble_inputs, ensemble_outputs, stop_inputs
 from tritonllm import contract

@@ -14,8 +14,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from build_engines.embeddings import EmbeddingsOptions
+from serve.generation import GenerationError
 from serve.triton.client import infer_inputs
-from serve.triton.host import GenerationError
 from serve.triton.sidecar import SidecarHost
 from tests.unit.test_embeddings import SENTENCES, cosine
 from tritonllm import contract

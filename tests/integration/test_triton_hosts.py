@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve.generation import GenerateParams
-from serve.triton.host import GenerationError
+from serve.generation import GenerateParams, GenerationError
 from serve.triton.select import in_process_unavailable_reason
 from tests.integration.test_inflight_batching import wait_for
 from tests.reference import counted, hf_greedy

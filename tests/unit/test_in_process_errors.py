@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from serve.triton.host import GenerationError
+from serve.generation import GenerationError
 from serve.triton.select import in_process_unavailable_reason
 
 

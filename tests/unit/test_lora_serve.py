@@ -16,8 +16,7 @@ from safetensors.torch import save_file
 from serve.adapters import AdapterCatalog, list_adapters, read_adapter
 from serve.api.errors import NotFound
 from serve.config import AppConfig, ModelConfig
-from serve.generation import GenerateParams, GenerationChunk
-from serve.triton.host import GenerationError
+from serve.generation import GenerateParams, GenerationChunk, GenerationError
 from serve.triton.requests import ensemble_inputs
 from tests.unit.test_http_api import FakeBackend, client, error_of
 from tritonllm import contract, lora

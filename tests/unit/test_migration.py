@@ -17,10 +17,9 @@ from ray.exceptions import ActorDiedError
 from serve.api.errors import Overloaded
 from serve.config import ModelConfig
 from serve.deployments.ingress import OpenAIIngress
-from serve.generation import GenerateParams, GenerationChunk
+from serve.generation import GenerateParams, GenerationChunk, GenerationError
 from serve.metrics import RequestMetrics
 from serve.migration import CannotResume, Resumable, resume_refusal
-from serve.triton.host import GenerationError
 from tritonllm.detokenize import IncrementalDetokenizer
 from tritonllm.tokenization import encode_prompt
 

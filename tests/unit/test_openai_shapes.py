@@ -13,7 +13,7 @@ from serve.api.errors import Overloaded
 from serve.api.sampling import GREEDY, SamplingDefaults, resolve
 from serve.api.stops import StopStringCutter, cut_text
 from serve.deployments.ingress import as_api_error
-from serve.triton.host import GenerationError
+from serve.generation import GenerationError
 from tests.unit.test_http_api import FakeBackend, client, error_of
 
 

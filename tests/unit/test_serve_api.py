@@ -11,9 +11,8 @@ from serve.api.chat_template import render_chat_prompt
 from serve.api.errors import APIError
 from serve.api.schemas import ChatCompletionRequest, CompletionRequest
 from serve.config import AppConfig
-from serve.generation import GenerateParams, GenerationChunk
+from serve.generation import GenerateParams, GenerationChunk, GenerationError
 from serve.triton import repository
-from serve.triton.host import GenerationError
 from serve.triton.requests import ResponseReader, ensemble_inputs, inferred_finish_reason
 from serve.triton.sidecar import classify
 from tests.conftest import ROOT
