@@ -42,7 +42,9 @@ class GenerationError(RuntimeError):
 class GenerateParams:
     """One generation request, already validated by the API layer."""
 
-    prompt: str  # "" when the client sent prompt_token_ids instead
+    # The engine reads prompt_token_ids where set (a client's own, or a request resumed
+    # on another replica), else this text; routers match the text (prefix-aware routing).
+    prompt: str
     max_tokens: int
     temperature: float | None = None
     top_p: float | None = None

@@ -139,7 +139,8 @@ class Resumable:
         min_tokens = self.params.min_tokens
         return dataclasses.replace(
             self.params,
-            prompt="",
+            # The ids are what the engine reads; the prompt's text stays for the routers
+            # (prefix-aware routing matches it against the replicas' prefix trees).
             prompt_token_ids=self._prompt_ids() + tuple(self._ids),
             max_tokens=max(remaining, 1),
             min_tokens=None if min_tokens is None else max(min_tokens - self.delivered, 0),

@@ -13,7 +13,9 @@ a replica that must load that variant (and unload another):
 
 This subclass calls the multiplexing helper once, runs Ray's prefix match on the
 replicas it returned, and keeps only those among the chosen. Requests without a
-variant go through Ray's router unchanged. The class is imported from its defining
+variant go through Ray's router unchanged, except one whose prompt has no text (a
+client's token ids): Ray's match divides by the text's length, and the request would
+never be routed; it goes by power of two choices. The class is imported from its defining
 module: the public alias ``ray.serve.llm.request_router`` imports ray.llm's
 cloud-storage helpers, which need pyarrow (ray[llm]); this one needs only ray[serve].
 """
@@ -25,6 +27,7 @@ import random
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
     PrefixCacheAffinityRouter,
 )
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 
@@ -38,6 +41,10 @@ class VariantPrefixRouter(PrefixCacheAffinityRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None and not _prompt_text(pending_request):
+            return await PowerOfTwoChoicesRequestRouter.choose_replicas(
+                self, candidate_replicas, pending_request
+            )
         if pending_request is None or not pending_request.metadata.multiplexed_model_id:
             return await super().choose_replicas(candidate_replicas, pending_request)
         allowed = self.apply_multiplex_routing(pending_request=pending_request)
@@ -48,3 +55,9 @@ class VariantPrefixRouter(PrefixCacheAffinityRouter):
         chosen = [r for r in chosen if r.replica_id in allowed]
         # Loads apart or no match among the allowed: power of two choices among them.
         return [chosen or random.sample(candidates, min(2, len(candidates)))]
+
+
+def _prompt_text(pending_request: PendingRequest) -> str:
+    """The text Ray's router would match (a GenerateParams' prompt; "" for none)."""
+    params = pending_request.args[0] if pending_request.args else None
+    return getattr(params, "prompt", "") or ""

@@ -145,7 +145,9 @@ def test_an_openai_agents_sdk_agent_runs_its_tool_against_the_stack(url):
         tools=[get_weather],
         model=OpenAIResponsesModel(model=MODEL, openai_client=sdk_client),
         # Forced on the first turn (the SDK then resets it to auto, so the model answers).
-        model_settings=ModelSettings(tool_choice="get_weather", temperature=1.0, max_tokens=100),
+        # Greedy, so every run is this one: sampled, the default model's answer sometimes
+        # ran past max_tokens, an incomplete response the SDK raises as ModelBehaviorError.
+        model_settings=ModelSettings(tool_choice="get_weather", temperature=0.0, max_tokens=100),
     )
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=6))
     assert cities, "the agent never ran its tool"

@@ -137,6 +137,7 @@ def test_a_lost_stream_resumes_with_the_undisturbed_text_and_counts(tokenizer, a
     assert last.cum_log_prob == pytest.approx(-0.5 * len(answer_ids))
     first, second, third = engine.requests
     assert second.prompt_token_ids == tuple(engine.prompt_ids + answer_ids[:cut])
+    assert second.prompt == PROMPT  # the text, for the routers (prefix-aware routing)
     assert second.max_tokens == second.min_tokens == len(answer_ids) - cut
     assert third.max_tokens == len(answer_ids) - cut - 3
     assert len({r.request_id for r in engine.requests}) == 3

@@ -106,3 +106,26 @@ def test_a_variants_request_goes_only_to_replicas_holding_it(monkeypatch, seen):
         return names
 
     assert asyncio.run(chosen()) == {"holder"}
+
+
+def test_a_prompt_given_as_token_ids_alone_is_routed(monkeypatch):
+    """Ray's prefix match divides by the prompt text's length: a request with none (a
+    client's token ids) raised in the router and was never routed."""
+    monkeypatch.setattr(prefix_aware_router, "ray", SimpleNamespace(get=lambda value: value))
+    replicas = [Replica("a", set()), Replica("b", set())]
+
+    async def chosen() -> set[str]:
+        router_class = import_attr(PREFIX_AWARE_ROUTER)
+        router = router_class(
+            deployment_id=replicas[0].replica_id.deployment_id,
+            handle_source=DeploymentHandleSource.UNKNOWN,
+        )
+        router.initialize_state(imbalanced_threshold=8, tree_actor=LocalTree())
+        router.update_replicas(replicas)
+        params = GenerateParams(prompt="", prompt_token_ids=(1, 5, 6), max_tokens=4)
+        pending = PendingRequest(args=[params], kwargs={}, metadata=RequestMetadata("r", "r"))
+        (picked,) = await router.choose_replicas(router._replicas_list, pending)
+        return {r.replica_id.unique_id for r in picked}
+
+    names = asyncio.run(chosen())
+    assert names and names <= {"a", "b"}
