@@ -76,6 +76,13 @@ class GenerateParams:
     lora_task_id: int | None = None
     lora_tensors: LoraTensors | None = field(default=None, compare=False, repr=False)
 
+    @property
+    def greedy(self) -> bool:
+        """TensorRT-LLM's rule, which the API's sampling defaults follow: greedy when
+        none of temperature, top_k and top_p is set, or temperature is 0, or top_k 1."""
+        unset = self.temperature is None and not self.top_k and not self.top_p
+        return unset or self.temperature == 0 or self.top_k == 1
+
 
 @dataclass(frozen=True)
 class TopLogProbs:

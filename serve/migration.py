@@ -46,12 +46,7 @@ def resume_refusal(params: GenerateParams, engine_resumes: bool) -> str | None:
         return "a guided request's grammar state cannot be carried to another replica"
     if params.presence_penalty or params.frequency_penalty:
         return "presence and frequency penalties count only the new replica's tokens"
-    greedy = (
-        params.temperature == 0
-        or params.top_k == 1
-        or (params.temperature is None and not params.top_k and not params.top_p)
-    )
-    if params.seed is not None and not greedy:
+    if params.seed is not None and not params.greedy:
         return "seeded sampling would restart its random sequence on another replica"
     return None
 

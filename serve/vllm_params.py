@@ -24,8 +24,7 @@ from serve.generation import GenerateParams, GenerationChunk, PromptLogProbs, To
 
 
 def sampling_kwargs(params: GenerateParams) -> dict[str, Any]:
-    unset = params.temperature is None and not params.top_k and not params.top_p
-    greedy = unset or params.temperature == 0 or params.top_k == 1
+    greedy = params.greedy
     log_probs = params.top_log_probs if params.return_log_probs else None
     kwargs: dict[str, Any] = {
         "max_tokens": params.max_tokens,
