@@ -46,6 +46,12 @@ class TritonConfig(_Strict):
         "in_process or sidecar force one (serve/triton/select.py)",
     )
     start_timeout_s: float = Field(300.0, gt=0, description="how long Triton may take to load")
+    pipeline: Literal["replica", "ensemble"] = Field(
+        "replica",
+        description="replica: the replica tokenizes and detokenizes with the repository's "
+        "own tokenizer and settings and sends the engine step its tensors (one Triton hop "
+        "per streamed response); ensemble: through Triton's ensemble (serve/triton/steps.py)",
+    )
 
     def repository_path(self) -> Path:
         return _from_root(self.model_repository)

@@ -7,6 +7,21 @@ import numpy as np
 from tritonllm import tokenization
 from tritonllm.tokenization import InvalidRequest
 
+# The preprocessing model's inputs (contract.PREPROCESSING_INPUTS) as :func:`preprocess`'s
+# arguments: the Triton model and the replica's own steps (serve/triton/steps.py) use it.
+ARGUMENTS = {
+    "QUERY": "query",
+    "REQUEST_OUTPUT_LEN": "request_output_len",
+    "INPUT_IDS": "prompt_ids",
+    "BAD_WORDS_DICT": "bad_words",
+    "STOP_WORDS_DICT": "stop_words",
+    "END_ID": "end_id",
+    "PAD_ID": "pad_id",
+    "EMBEDDING_BIAS_WORDS": "bias_words",
+    "EMBEDDING_BIAS_WEIGHTS": "bias_weights",
+    "EMBEDDING_BIAS_TOKEN_IDS": "bias_token_ids",
+}
+
 
 def _scalar_column(values: np.ndarray | None, batch: int, default: int) -> np.ndarray:
     if values is None:

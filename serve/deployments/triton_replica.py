@@ -19,8 +19,11 @@ from serve.generation import GenerateParams, GenerationChunk, GenerationError, c
 from serve.metrics import MetricsPublisher, replica_labels
 from serve.triton import repository
 from serve.triton.host import TritonHost
+from serve.triton.requests import EnsembleRoute, Route
 from serve.triton.select import choose_host
+from serve.triton.steps import ReplicaSteps, StepsUnsupported
 from tritonllm import contract, lora
+from tritonllm.tokenization import load_tokenizer
 
 log = logging.getLogger("ray.serve")
 
@@ -57,6 +60,11 @@ class TritonReplica:
         # Starting Triton blocks for seconds to minutes: off the event loop.
         await asyncio.to_thread(self.host.start)
         self._watch = asyncio.create_task(self._exit_with_triton())
+        self._routes: dict[str, Route] = {}  # ensemble -> how its requests go (_route)
+        if model.task == "generate" and model.triton.pipeline == "replica":
+            # The preprocessing's tokenizer, shared by every ensemble (a pool's variants).
+            tokenizer_dir = repository.tokenizer_dir(model.triton.repository_path())
+            self._tokenizer = await asyncio.to_thread(load_tokenizer, str(tokenizer_dir))
         self._metrics = None  # Triton's metrics text, to the app's collector (GET /metrics)
         if metrics_collector is not None:
             self._metrics = MetricsPublisher(metrics_collector, self.host.metrics, replica_labels())
@@ -98,21 +106,36 @@ class TritonReplica:
         logging.shutdown()
         os._exit(1)
 
+    def _route(self, ensemble: str) -> Route:
+        """How a request for ``ensemble`` goes to Triton (``triton.pipeline``): to its
+        engine step with the tokenizing and detokenizing done here, or through it."""
+        if ensemble not in self._routes:
+            self._routes[ensemble] = EnsembleRoute(ensemble)
+            if self.model.triton.pipeline == "replica":
+                try:
+                    self._routes[ensemble] = ReplicaSteps.load(
+                        self.model.triton.repository_path(), ensemble, self._tokenizer
+                    )
+                except StepsUnsupported as error:
+                    log.warning("%s: requests go through the ensemble: %s", ensemble, error)
+        return self._routes[ensemble]
+
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerationChunk]:
-        triton_model = self.model.entry_model()
+        ensemble = self.model.entry_model()
         if params.variant is not None:
-            triton_model = (await self._variant(params.variant)).ensemble
+            ensemble = (await self._variant(params.variant)).ensemble
+        route = self._route(ensemble)
         if params.adapter is not None:
-            chunks = self._generate_with_adapter(params, triton_model)
+            chunks = self._generate_with_adapter(params, route)
         else:
-            chunks = self.host.generate(params, triton_model)
+            chunks = self.host.generate(params, route)
         # What Triton sends while this replica (or Ray's hop to the ingress) is busy
         # leaves as one chunk: every yield is one Ray object, whatever it holds.
         async for chunk in coalesce(chunks, self.model.stream_interval_ms / 1000):
             yield chunk
 
     async def _generate_with_adapter(
-        self, params: GenerateParams, triton_model: str
+        self, params: GenerateParams, route: Route
     ) -> AsyncIterator[GenerationChunk]:
         """The adapter's task id, with its weights until the engine has taken them once;
         an engine that no longer holds them (its cache evicted them) answers a cache
@@ -121,7 +144,7 @@ class TritonReplica:
         loaded = await self._adapter(self.model.adapter_id(params.adapter))
         with_weights, started = not loaded.in_engine, False
         try:
-            async for chunk in self._adapter_attempt(loaded, params, with_weights, triton_model):
+            async for chunk in self._adapter_attempt(loaded, params, with_weights, route):
                 started = True
                 yield chunk
             return
@@ -131,15 +154,15 @@ class TritonReplica:
                 raise
         log.info("engine no longer holds adapter %s: resending its weights", params.adapter)
         resend = dataclasses.replace(params, request_id=f"{params.request_id}.w")
-        async for chunk in self._adapter_attempt(loaded, resend, True, triton_model):
+        async for chunk in self._adapter_attempt(loaded, resend, True, route):
             yield chunk
 
     async def _adapter_attempt(
-        self, loaded: LoadedAdapter, params: GenerateParams, with_weights: bool, model: str
+        self, loaded: LoadedAdapter, params: GenerateParams, with_weights: bool, route: Route
     ) -> AsyncIterator[GenerationChunk]:
         # aclosing: a caller that goes away stops the engine's sequence at once.
         async with aclosing(
-            self.host.generate(loaded.request(params, with_weights), model)
+            self.host.generate(loaded.request(params, with_weights), route)
         ) as chunks:
             async for chunk in chunks:
                 loaded.in_engine = True  # the engine took the request: it holds the adapter

@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from serve.generation import GenerateParams, GenerationChunk
+from serve.triton.requests import ENSEMBLE_ROUTE, Route
 from tritonllm import contract
 
 
@@ -40,11 +41,12 @@ class TritonHost(Protocol):
         Triton in the replica's own process, which dies with it)."""
 
     def generate(
-        self, params: GenerateParams, model: str = contract.ENSEMBLE
+        self, params: GenerateParams, route: Route = ENSEMBLE_ROUTE
     ) -> AsyncIterator[GenerationChunk]:
-        """Stream the answer of ``model`` (an ensemble on this repository's contract):
-        the text chunks, then one empty chunk with the finish reason. Closing the
-        iterator early stops the generation in the engine."""
+        """Stream the answer along ``route`` (the ensemble, or the engine step with the
+        replica's own tokenizing, :mod:`serve.triton.steps`): the text chunks, then one
+        empty chunk with the finish reason. Closing the iterator early stops the
+        generation in the engine."""
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One non-decoupled request (an embeddings model, say): named input arrays, batch

@@ -31,7 +31,7 @@ import numpy as np
 import tritonserver
 
 from serve.generation import GenerateParams, GenerationChunk, GenerationError
-from serve.triton.requests import ResponseReader, ensemble_inputs, stop_inputs
+from serve.triton.requests import ENSEMBLE_ROUTE, Route, stop_inputs
 from serve.triton.sidecar import classify
 from tritonllm import contract
 
@@ -147,18 +147,18 @@ class InProcessHost:
             return False
 
     async def generate(
-        self, params: GenerateParams, model: str = contract.ENSEMBLE
+        self, params: GenerateParams, route: Route = ENSEMBLE_ROUTE
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the answer's chunks, then one empty chunk with the finish reason."""
+        model, inputs, reader = route.model, route.inputs(params), route.reader(params)
         responses = None
-        reader = ResponseReader(params)
         done = False
         try:
             try:
                 responses = (
                     self._require()
                     .model(model)
-                    .async_infer(inputs=ensemble_inputs(params), request_id=params.request_id)
+                    .async_infer(inputs=inputs, request_id=params.request_id)
                 )
                 async for response in responses:
                     outputs = response_outputs(response)

@@ -8,11 +8,13 @@ tensors (``tritonllm.contract``) lives here and nowhere above the replica.
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import numpy as np
 
 from serve.generation import GenerateParams, GenerationChunk, PromptLogProbs, TopLogProbs
 from tritonllm import contract
+from tritonllm.detokenize import IncrementalDetokenizer
 
 _NO_IDS = np.empty(0, dtype=np.int32)
 
@@ -107,19 +109,28 @@ def stop_inputs() -> dict[str, np.ndarray]:
 
 
 def chunk_from_outputs(
-    outputs: dict[str, np.ndarray], params: GenerateParams, earlier: GenerationChunk | None = None
+    outputs: dict[str, np.ndarray],
+    params: GenerateParams,
+    earlier: GenerationChunk | None = None,
+    detokenizer: IncrementalDetokenizer | None = None,
 ) -> GenerationChunk:
     """One streamed ensemble response as a chunk (not yet knowing if it is the last);
-    ``earlier``, the request's previous chunk, holds what only the first response says."""
+    ``earlier``, the request's previous chunk, holds what only the first response says.
+    The text is the response's ``text_output``, or with ``detokenizer`` (the request's
+    own, in the replica) the text its ``output_ids`` complete."""
 
     def scalar(name: str):
         return outputs[name].reshape(-1)[0] if name in outputs else None
 
-    text = scalar("text_output")
-    ids = outputs.get("output_ids", _NO_IDS).reshape(-1)  # [1, beam 1, new tokens]
+    ids = outputs.get("output_ids", _NO_IDS).reshape(-1).tolist()  # [1, beam 1, new tokens]
+    if detokenizer is not None:
+        text = detokenizer.add(ids)
+    else:
+        text = scalar("text_output")
+        text = text.decode() if isinstance(text, bytes) else str(text or "")
     chunk = GenerationChunk(
-        text=text.decode() if isinstance(text, bytes) else str(text or ""),
-        token_ids=tuple(ids.tolist()),
+        text=text,
+        token_ids=tuple(ids),
         num_input_tokens=int(scalar("num_input_tokens") or 0),
         num_output_tokens=int(scalar("num_output_tokens") or 0),
         num_cached_tokens=int(
@@ -164,11 +175,13 @@ def _prompt(outputs: dict[str, np.ndarray]) -> PromptLogProbs | None:
 
 
 class ResponseReader:
-    """One request's ensemble responses as chunks (:meth:`chunk` each response's outputs,
-    then :meth:`end`): the loop both hosts run."""
+    """One request's responses as chunks (:meth:`chunk` each response's outputs, then
+    :meth:`end`): the loop both hosts run. Outputs carry the ensemble's names; with a
+    ``detokenizer`` the text comes from it, not from ``text_output``."""
 
-    def __init__(self, params: GenerateParams):
+    def __init__(self, params: GenerateParams, detokenizer: IncrementalDetokenizer | None = None):
         self.params = params
+        self.detokenizer = detokenizer
         self.last: GenerationChunk | None = None
         self.reason: str | None = None  # the engine's, on its last response
 
@@ -176,7 +189,7 @@ class ResponseReader:
         code = outputs.get("finish_reason")
         if code is not None:
             self.reason = contract.FINISH_REASONS.get(int(code.reshape(-1)[0]), self.reason)
-        self.last = chunk_from_outputs(outputs, self.params, self.last)
+        self.last = chunk_from_outputs(outputs, self.params, self.last, self.detokenizer)
         return self.last
 
     def end(self) -> GenerationChunk:
@@ -204,3 +217,41 @@ def inferred_finish_reason(last: GenerationChunk | None, params: GenerateParams)
     word that lands exactly on the max_tokens-th token reads as ``length``."""
     produced = last.num_output_tokens if last else 0
     return "length" if produced >= params.max_tokens else "stop"
+
+
+class Route(Protocol):
+    """Which Triton model a generation goes to, with which tensors, and how its responses
+    become chunks: through the ensemble (:class:`EnsembleRoute`), or to the engine step
+    with the tokenizing and detokenizing done in the replica
+    (:class:`serve.triton.steps.ReplicaSteps`)."""
+
+    model: str
+
+    def inputs(self, params: GenerateParams) -> dict[str, np.ndarray]:
+        """The request's input tensors, named as ``model`` takes them."""
+
+    def outputs(self, params: GenerateParams) -> tuple[str, ...]:
+        """The outputs of ``model`` a chunk is made of."""
+
+    def reader(self, params: GenerateParams) -> ResponseReader:
+        """Reads the request's responses (``model``'s output names) into chunks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EnsembleRoute:
+    """Through the ensemble: Triton's preprocessing and postprocessing models tokenize
+    and detokenize."""
+
+    model: str = contract.ENSEMBLE
+
+    def inputs(self, params: GenerateParams) -> dict[str, np.ndarray]:
+        return ensemble_inputs(params)
+
+    def outputs(self, params: GenerateParams) -> tuple[str, ...]:
+        return ensemble_outputs(params)
+
+    def reader(self, params: GenerateParams) -> ResponseReader:
+        return ResponseReader(params)
+
+
+ENSEMBLE_ROUTE = EnsembleRoute()

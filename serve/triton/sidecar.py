@@ -28,7 +28,7 @@ from tritonclient.utils import InferenceServerException
 from serve.generation import GenerateParams, GenerationChunk, GenerationError
 from serve.triton.client import infer_inputs
 from serve.triton.launcher import TritonProcess
-from serve.triton.requests import ResponseReader, ensemble_inputs, ensemble_outputs, stop_inputs
+from serve.triton.requests import ENSEMBLE_ROUTE, Route, stop_inputs
 from tritonllm import contract
 
 log = logging.getLogger(__name__)
@@ -140,17 +140,18 @@ class SidecarHost:
             return False
 
     async def generate(
-        self, params: GenerateParams, model: str = contract.ENSEMBLE
+        self, params: GenerateParams, route: Route = ENSEMBLE_ROUTE
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the answer's chunks, then one empty chunk with the finish reason."""
-
+        model = route.model
         declared = await self._declared_outputs(model)
-        names = [name for name in ensemble_outputs(params) if name in declared]
+        names = [name for name in route.outputs(params) if name in declared]
+        inputs = infer_inputs(route.inputs(params))
 
         async def requests():
             yield {
                 "model_name": model,
-                "inputs": infer_inputs(ensemble_inputs(params)),
+                "inputs": inputs,
                 "outputs": [grpc_aio.InferRequestedOutput(name) for name in names],
                 "request_id": params.request_id,
             }
@@ -161,7 +162,7 @@ class SidecarHost:
         # request, against ~0.3 KiB for streams read to their end; make soak shows it as
         # tritonserver's resident memory growing); a stop ends the stream instead.
         reader = _StreamReader(self._client().stream_infer(requests()))
-        responses = ResponseReader(params)
+        responses = route.reader(params)
         done = False
         try:
             while (item := await reader.next()) is not _END:

@@ -18,7 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serve.generation import GenerateParams, GenerationError
+from serve.triton.requests import EnsembleRoute
 from serve.triton.select import in_process_unavailable_reason
+from serve.triton.steps import ReplicaSteps
 from tests.integration.test_inflight_batching import wait_for
 from tests.reference import counted, hf_greedy
 from tritonllm import contract
@@ -39,11 +41,33 @@ def start_host(kind: str, repository):
     return SidecarHost(repository).start()
 
 
-@pytest.fixture(scope="module", params=["sidecar", "in_process"])
+class RoutedHost:
+    """A host whose generations take ``route`` (the replica's own steps, say) instead of
+    the ensemble; everything else is the host's."""
+
+    def __init__(self, host, route):
+        self._host, self.route = host, route
+
+    def __getattr__(self, name):
+        return getattr(self._host, name)
+
+    def generate(self, params):
+        return self._host.generate(params, self.route)
+
+
+# Each host, with its generations through the ensemble and through the replica's own
+# tokenize and detokenize steps (serve/triton/steps.py): the same cases hold for both.
+@pytest.fixture(
+    scope="module",
+    params=["sidecar-ensemble", "sidecar-replica", "in_process-ensemble", "in_process-replica"],
+)
 def host(request, built_repository):
     # One in-process server per test process: a second one would share the Python
     # backend's shared-memory names and the metrics registry with the first.
-    host = start_host(request.param, built_repository)
+    kind, pipeline = request.param.split("-")
+    host = start_host(kind, built_repository)
+    if pipeline == "replica":
+        host = RoutedHost(host, ReplicaSteps.load(built_repository, contract.ENSEMBLE))
     yield host
     host.stop()
 
@@ -120,6 +144,41 @@ def test_a_stop_word_on_the_last_allowed_token_ends_with_the_engines_stop(host, 
     assert chunks[-1].finish_reason == "stop"
     unstopped = collect(host, GenerateParams(prompt, n, ignore_eos=True))
     assert unstopped[-1].finish_reason == "length"
+
+
+def test_the_replica_steps_answer_as_the_ensemble(host, built_repository):
+    """Token for token, text for text, with log probabilities, alternatives and a stop
+    string: the replica's own tokenizing and detokenizing against Triton's ensemble."""
+    steps = ReplicaSteps.load(built_repository, contract.ENSEMBLE)
+    params = GenerateParams(
+        "The cat sat on the",
+        24,
+        ignore_eos=True,  # the end token and the next BOS: special tokens, not text
+        stop=(" builds",),
+        return_log_probs=True,
+        top_log_probs=3,
+        request_id="same",
+    )
+
+    triton = host._host if isinstance(host, RoutedHost) else host
+
+    async def answer(route):
+        return [chunk async for chunk in triton.generate(params, route)]
+
+    def whole(chunks):  # how the engine's steps split the tokens into responses varies
+        return {
+            "text": "".join(c.text for c in chunks),
+            "token_ids": [t for c in chunks for t in c.token_ids],
+            "log_probs": [p for c in chunks for p in c.token_log_probs],
+            "top": [t for c in chunks for t in c.top_log_probs],
+            "last": chunks[-1],
+        }
+
+    through_ensemble = whole(run(host, lambda: answer(EnsembleRoute())))
+    assert whole(run(host, lambda: answer(steps))) == through_ensemble
+    assert through_ensemble["text"].endswith("garden?The model builds")  # the engine keeps it
+    assert through_ensemble["last"].finish_reason == "stop"
+    assert len(through_ensemble["top"]) == len(through_ensemble["token_ids"]) > 10
 
 
 def test_triton_errors_arrive_with_their_kind_and_message(host):

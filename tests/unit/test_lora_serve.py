@@ -276,7 +276,7 @@ class EngineHost:
         self.held: set[int] = set()
         self.sent: list[GenerateParams] = []
 
-    async def generate(self, params, triton_model):
+    async def generate(self, params, route):
         self.sent.append(params)
         if params.lora_tensors is not None:
             self.held.add(params.lora_task_id)
@@ -294,8 +294,10 @@ def test_the_replica_sends_the_weights_once_and_again_when_the_engine_lost_them(
     write_adapter(tmp_path / "a")
     loaded = LoadedAdapter(read_adapter(str(tmp_path), "a"))
     replica = object.__new__(TritonReplica)
-    replica.model = ModelConfig.model_validate(lora_model(tmp_path))
+    model = lora_model(tmp_path) | {"triton": {"pipeline": "ensemble"}}
+    replica.model = ModelConfig.model_validate(model)
     replica.host = host = EngineHost()
+    replica._routes = {}
 
     async def adapter(adapter_id):
         assert adapter_id == "base:a"  # the multiplexed model id the ingress routes by

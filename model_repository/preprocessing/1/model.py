@@ -4,21 +4,8 @@ import triton_python_backend_utils as pb_utils
 
 from tritonllm import contract, tokenization
 from tritonllm.model_args import ModelArgs
-from tritonllm.preprocess import preprocess
+from tritonllm.preprocess import ARGUMENTS, preprocess
 from tritonllm.triton_errors import triton_error
-
-_INPUTS = {
-    "QUERY": "query",
-    "REQUEST_OUTPUT_LEN": "request_output_len",
-    "INPUT_IDS": "prompt_ids",
-    "BAD_WORDS_DICT": "bad_words",
-    "STOP_WORDS_DICT": "stop_words",
-    "END_ID": "end_id",
-    "PAD_ID": "pad_id",
-    "EMBEDDING_BIAS_WORDS": "bias_words",
-    "EMBEDDING_BIAS_WEIGHTS": "bias_weights",
-    "EMBEDDING_BIAS_TOKEN_IDS": "bias_token_ids",
-}
 
 
 class TritonPythonModel:
@@ -32,7 +19,7 @@ class TritonPythonModel:
 
     def _respond(self, request):
         kwargs = {}
-        for name, arg in _INPUTS.items():
+        for name, arg in ARGUMENTS.items():
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             kwargs[arg] = None if tensor is None else tensor.as_numpy()
         try:
