@@ -5,7 +5,8 @@ serve deploy serve/config.yaml       # a running cluster (after ray start --head
 
 Each model of the config gets its own deployment of Triton replicas (its own
 resources, autoscaling and limits); one OpenAI ingress routes to them by the
-request's ``model``.
+request's ``model``. With ``layout: direct`` the one model's replicas serve the API
+themselves (serve/deployments/direct.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from serve import vllm_deployment
 from serve.config import AppConfig, ModelConfig
+from serve.deployments.direct import DirectReplica
 from serve.deployments.ingress import OpenAIIngress
 from serve.deployments.metrics_collector import MetricsCollector
 from serve.deployments.response_store import ResponseStoreReplica
@@ -32,6 +34,10 @@ log = logging.getLogger("ray.serve")
 def build_app(args: dict | None = None):
     config = servable(AppConfig.model_validate(args or {}))
     collector = serve.deployment(MetricsCollector).options(**COLLECTOR_OPTIONS).bind()
+    if config.layout == "direct":  # the model's replicas are the ingress
+        (model,) = config.models
+        deployment = serve.deployment(DirectReplica).options(**replica_options(model))
+        return deployment.bind(model, config, collector, response_store(config))
     replicas = {}
     for model in config.models:
         if model.engine == "vllm":

@@ -440,6 +440,34 @@ class AppConfig(_Strict):
     api_keys: APIKeys = Field(default_factory=APIKeys)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     ingress: IngressOptions = Field(default_factory=IngressOptions)
+    layout: Literal["ingress", "direct"] = Field(
+        "ingress",
+        description="ingress: an OpenAIIngress deployment routes each request to its "
+        "model's replicas, and a stream whose replica is lost resumes on another; direct: "
+        "one model's Triton replicas serve the API themselves behind HAProxy (one process "
+        "crossing fewer per chunk; a lost replica ends its streams). docs/architecture.md",
+    )
+
+    @model_validator(mode="after")
+    def _direct_serves_one_model(self) -> AppConfig:
+        """``direct`` has no ingress to route by model, variant, adapter or prefix."""
+        if self.layout != "direct":
+            return self
+        model = self.models[0]
+        refusals = [
+            (len(self.models) > 1, f"{len(self.models)} models (it serves one)"),
+            (model.engine != "triton", f"engine: {model.engine}"),
+            (bool(model.variants), "variants"),
+            (model.lora is not None, "lora"),
+            (model.routing != "default", f"routing: {model.routing}"),
+        ]
+        found = [why for refused, why in refusals if refused]
+        if found:
+            raise ValueError(
+                f"layout: direct serves one Triton model without routing; this app has "
+                f"{', '.join(found)}: use layout: ingress"
+            )
+        return self
 
     @model_validator(mode="after")
     def _unique_ids(self) -> AppConfig:

@@ -121,16 +121,14 @@ def _serves_engine_extensions(model: ModelConfig) -> bool:
     return repository.serves_engine_extensions(repo, model.engine_model())
 
 
-@serve.ingress()  # the app is built in the replica, by __serve_build_asgi_app__
-class OpenAIIngress:
-    """Implements :class:`serve.api.backend.Backend` for the routes."""
+class ApiBackend:
+    """:class:`serve.api.backend.Backend` for the routes, all but how a request reaches a
+    Triton: over Serve's DeploymentHandles (:class:`OpenAIIngress`), or to the Triton
+    the replica itself owns (``serve/deployments/direct.py``, ``layout: direct``)."""
 
-    async def __init__(
-        self, replicas: dict, config: AppConfig, metrics_collector=None, response_store=None
-    ):
+    def _start_api(self, config: AppConfig, metrics_collector=None, response_store=None) -> None:
         from tritonllm.tokenization import load_tokenizer
 
-        self.replicas = replicas  # model id -> DeploymentHandle of its Triton replicas
         self.config = config
         # response_store: the DeploymentHandle of the app's memory store (store: memory).
         self.response_store: ResponseStore | None = open_response_store(
@@ -140,11 +138,8 @@ class OpenAIIngress:
         self.metrics_collector = metrics_collector  # DeploymentHandle (None: no /metrics)
         self._publisher = None
         if metrics_collector is not None:
-
-            async def text() -> str:
-                return self.metrics.text()
-
-            self._publisher = MetricsPublisher(metrics_collector, text, replica_labels())
+            labels = replica_labels()
+            self._publisher = MetricsPublisher(metrics_collector, self._metrics_text, labels)
             self._publisher.start()
         checkpoints = {m.id: _tokenizer_dir(m) for m in config.models if m.task == "generate"}
         self.tokenizers = {i: load_tokenizer(str(d)) for i, d in checkpoints.items()}
@@ -158,6 +153,10 @@ class OpenAIIngress:
         }
         self._api_keys = load_api_keys(config.api_keys.env, config.api_keys.file)
         log.info("API keys %s", "required" if self._api_keys else "not configured (open API)")
+
+    async def _metrics_text(self) -> str:
+        """What this process publishes to the app's metrics collector."""
+        return self.metrics.text()
 
     def __serve_build_asgi_app__(self):
         return create_app(self, self._api_keys, self._record_response)
@@ -248,7 +247,7 @@ class OpenAIIngress:
         answer = Resumable(
             params,
             lambda: self.tokenizers[model.id],
-            model.max_migrations,
+            self._max_migrations(model),
             engine_resumes=self._extensions.get(model.id, False),
         )
         metrics.started()
@@ -269,11 +268,23 @@ class OpenAIIngress:
                         chunk = answer.final_chunk()
                         yield chunk
                         return
+                    if not self._max_migrations(model):  # migration off: the client's 503
+                        raise
                     attempt = await self._moved(answer, error, metrics)
         finally:
             if chunk is not None:  # the prompt and what was generated, also if cancelled
                 metrics.tokens(chunk.num_input_tokens, chunk.num_output_tokens)
             metrics.ended(had_text=clock.had_text)
+
+    def _max_migrations(self, model: ModelConfig) -> int:
+        """How many times a request may move to another replica."""
+        return model.max_migrations
+
+    def _attempt(
+        self, model: ModelConfig, params: GenerateParams
+    ) -> AsyncIterator[GenerationChunk]:
+        """One replica's chunks for ``params``, its failures as the client's errors."""
+        raise NotImplementedError
 
     @staticmethod
     async def _moved(answer: Resumable, error: ReplicaLost, metrics) -> GenerateParams:
@@ -298,6 +309,30 @@ class OpenAIIngress:
             # not yet known dead to the routers). They get a moment to drop it.
             await asyncio.sleep(MIGRATION_BACKOFF_S * answer.migrations)
         return resumed
+
+    async def metrics_text(self) -> str:
+        try:
+            response = self.metrics_collector.render.remote()
+            return await asyncio.wait_for(response, CONTROL_TIMEOUT_S)
+        except Exception as error:
+            log.warning("metrics: the collector did not answer: %s", error)
+            raise Overloaded("the metrics collector is not available; retry") from None
+
+    def __del__(self):
+        if self._publisher is not None:
+            self._publisher.stop()
+
+
+@serve.ingress()  # the app is built in the replica, by __serve_build_asgi_app__
+class OpenAIIngress(ApiBackend):
+    """The front door of every layout but ``direct``: routes each request by its
+    ``model`` to that model's deployment, over a streaming DeploymentHandle."""
+
+    async def __init__(
+        self, replicas: dict, config: AppConfig, metrics_collector=None, response_store=None
+    ):
+        self.replicas = replicas  # model id -> DeploymentHandle of its Triton replicas
+        self._start_api(config, metrics_collector, response_store)
 
     async def _attempt(
         self, model: ModelConfig, params: GenerateParams
@@ -349,18 +384,6 @@ class OpenAIIngress:
             return {m.id: "Serve's controller did not answer" for m in self.config.models}
         reasons = {m.id: not_running(status, self.replicas[m.id]) for m in self.config.models}
         return {model: reason for model, reason in reasons.items() if reason}
-
-    async def metrics_text(self) -> str:
-        try:
-            response = self.metrics_collector.render.remote()
-            return await asyncio.wait_for(response, CONTROL_TIMEOUT_S)
-        except Exception as error:
-            log.warning("metrics: the collector did not answer: %s", error)
-            raise Overloaded("the metrics collector is not available; retry") from None
-
-    def __del__(self):
-        if self._publisher is not None:
-            self._publisher.stop()
 
 
 class TextClock:

@@ -37,15 +37,32 @@ def one_slot_repository(checkpoint_dir, tmp_path_factory) -> Path:
     )
 
 
+# Every test of this module runs against both layouts (serve/config.py's ``layout``):
+# an ingress in front of the model's replicas, and the replicas serving the API
+# themselves, which serve one model (the embeddings tests skip there).
+@pytest.fixture(scope="module", params=["ingress", "direct"])
+def layout(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def embeddings_served(layout):
+    if layout == "direct":
+        pytest.skip("layout: direct serves one model; the embeddings model needs an ingress")
+
+
 @pytest.fixture(scope="module")
-def app_url(one_slot_repository, built_embedding_repository, tmp_path_factory):
+def app_url(layout, one_slot_repository, built_embedding_repository, tmp_path_factory):
     """`serve run` on the project's config, over a one-slot repository of the default model."""
     scratch = tmp_path_factory.mktemp("serve")
     config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
     port = free_port()
     config["http_options"]["port"] = port
-    model = config["applications"][0]["args"]["models"][0]
+    args = config["applications"][0]["args"]
+    model = args["models"][0]
     model["triton"]["model_repository"] = str(one_slot_repository)
+    if layout == "direct":
+        args |= {"layout": "direct", "models": [model]}
     (scratch / "config.yaml").write_text(yaml.safe_dump(config))
     # What `make run` runs, in the Serve mode it ships.
     with launched(scratch / "config.yaml", port, scratch / "serve.log") as url:
@@ -237,7 +254,7 @@ EMBEDDINGS = "all-MiniLM-L6-v2"
 
 
 def test_embeddings_equal_the_models_own_output_and_rank_similar_sentences(
-    client, embedding_model_dir
+    client, embedding_model_dir, embeddings_served
 ):
     from sentence_transformers import SentenceTransformer
 
@@ -255,7 +272,7 @@ def test_embeddings_equal_the_models_own_output_and_rank_similar_sentences(
     assert EMBEDDINGS in [m.id for m in client.models.list().data]
 
 
-def test_a_long_input_list_is_split_over_requests_in_order(client):
+def test_a_long_input_list_is_split_over_requests_in_order(client, embeddings_served):
     texts = [f"sentence number {i} about a cat" for i in range(150)]  # > max_batch_size
     reply = client.embeddings.create(model=EMBEDDINGS, input=texts)
     alone = client.embeddings.create(model=EMBEDDINGS, input=texts[137]).data[0].embedding
@@ -273,7 +290,9 @@ def test_a_long_input_list_is_split_over_requests_in_order(client):
         ({"model": EMBEDDINGS, "prompt": "x"}, 404, "model"),
     ],
 )
-def test_bad_embedding_requests_get_error_objects(app_url, client, body, status, param):
+def test_bad_embedding_requests_get_error_objects(
+    app_url, client, body, status, param, embeddings_served
+):
     path = "/v1/completions" if "prompt" in body else "/v1/embeddings"
     response = httpx.post(f"{app_url}{path}", json=body)
     assert response.status_code == status, response.text
@@ -301,7 +320,7 @@ def sse_events(app_url: str, path: str, body: dict) -> list[dict]:
     return [json.loads(d) for d in data[:-1]]
 
 
-def test_every_answer_parses_with_the_openai_sdks_own_types(app_url):
+def test_every_answer_parses_with_the_openai_sdks_own_types(app_url, layout):
     from openai.types import Completion, CreateEmbeddingResponse, Model
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -318,8 +337,9 @@ def test_every_answer_parses_with_the_openai_sdks_own_types(app_url):
         finished = [c for c in event["choices"] if c["finish_reason"]]
         Completion.model_validate({**event, "choices": finished})
     Model.model_validate(httpx.get(f"{app_url}/v1/models/{MODEL}").json())
-    body = {"model": EMBEDDINGS, "input": ["a cat"], "encoding_format": "float"}
-    CreateEmbeddingResponse.model_validate(post(app_url, "/v1/embeddings", body).json())
+    if layout == "ingress":  # the one with an embeddings model
+        body = {"model": EMBEDDINGS, "input": ["a cat"], "encoding_format": "float"}
+        CreateEmbeddingResponse.model_validate(post(app_url, "/v1/embeddings", body).json())
 
 
 def test_usage_counts_the_prompt_when_the_first_token_ends_the_answer(client):

@@ -31,6 +31,10 @@ from tritonllm import contract
         ({"models": [{"id": "e", "task": "embed"}]}, "task: generate"),
         ({"models": []}, "models"),
         ({"unknown_key": 1}, "unknown_key"),
+        ({"layout": "direct", "models": [{"id": "a"}, {"id": "b"}]}, "2 models"),
+        ({"layout": "direct", "models": [{"id": "m", "routing": "prefix_aware"}]}, "routing"),
+        ({"layout": "direct", "models": [{"id": "m", "variants": ["v"]}]}, "variants"),
+        ({"layout": "sideways"}, "layout"),
     ],
 )
 def test_config_errors_name_the_bad_field(args, field):
@@ -179,6 +183,20 @@ def test_a_pool_of_variants_resolves_by_variant_and_loads_on_demand():
         AppConfig.model_validate({"models": [{"id": "a"}, {"id": "pool", "variants": ["a"]}]})
     with pytest.raises(ValidationError, match="variants"):
         AppConfig.model_validate({"models": [{"id": "p", "variants": ["x/../y"]}]})
+
+
+def test_the_direct_layout_is_one_deployment_whose_replicas_serve_the_api(built_repository):
+    from serve.app import build_app
+    from serve.deployments.direct import DirectReplica
+
+    model = {"id": "llm", "triton": {"model_repository": str(built_repository)}}
+    app = build_app({"layout": "direct", "models": [model]})
+    deployment = app._bound_deployment
+    assert deployment.name == "Triton-llm"
+    assert deployment.func_or_class.__name__ == DirectReplica.__name__
+    assert hasattr(deployment.func_or_class, "__serve_build_asgi_app__")  # the ingress
+    routed = build_app({"models": [model]})._bound_deployment
+    assert routed.name == "OpenAIIngress"
 
 
 def test_an_unbuilt_optional_model_is_left_out_and_a_built_one_kept(tmp_path, caplog):
