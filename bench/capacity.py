@@ -47,16 +47,21 @@ SYSTEMS = ("triton", "stack")
 
 
 def stack_config(
-    repository: Path, port: int, max_concurrency: int, stream_interval_ms: float
+    repository: Path,
+    port: int,
+    max_concurrency: int,
+    stream_interval_ms: float,
+    layout: str = "ingress",
 ) -> dict:
     """serve/config.yaml's LLM over ``repository``: one Triton replica, no autoscaling,
     and room for every stream (``max_ongoing_requests``) as a GPU deployment whose
-    engine batches hundreds of sequences is sized."""
+    engine batches hundreds of sequences is sized; ``layout`` as the app's."""
     config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
     config["http_options"]["port"] = port
     args = config["applications"][0]["args"]
     model = next(m for m in args["models"] if m.get("task", "generate") == "generate")
     args["models"] = [model]
+    args["layout"] = layout
     model["triton"]["model_repository"] = str(repository)
     if stream_interval_ms:
         model["stream_interval_ms"] = stream_interval_ms
@@ -141,7 +146,9 @@ def run_step(args, step_ms: float, levels, prompts: list[str]) -> list[dict]:
             targets["triton"] = TritonTarget("triton", server.grpc_url)
             triton_pid = server.pid
         if "stack" in systems:
-            config = stack_config(repository, free_port(), max_concurrency, args.stream_interval_ms)
+            config = stack_config(
+                repository, free_port(), max_concurrency, args.stream_interval_ms, args.layout
+            )
             url = stack.enter_context(
                 serve_run(config, out, args.serve_mode, ready_paths=("/v1/models",))
             )
@@ -255,6 +262,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=0,
         help="the stack model's stream_interval_ms (0: send what is ready, no waiting)",
+    )
+    p.add_argument(
+        "--layout",
+        choices=("ingress", "direct"),
+        default="ingress",
+        help="the stack's layout: an ingress in front of the replica, or the replica "
+        "serving the API itself",
     )
     p.add_argument(
         "--serve-mode",

@@ -68,8 +68,10 @@ def serve_config(
     baseline_threads: int,
     checkpoint: Path | None = None,
     gpus_per_replica: float = 0,
+    layout: str = "ingress",
 ) -> dict:
-    """serve/config.yaml's app over ``repository``, plus baseline (a) at /baseline.
+    """serve/config.yaml's app over ``repository`` in ``layout``, plus baseline (a) at
+    /baseline.
 
     The LLM only, one Triton replica, no autoscaling: on 2 cores a second replica is a
     second engine fighting the first for the same cores (on a GPU box: one replica per
@@ -82,6 +84,7 @@ def serve_config(
     # The LLM alone: the shipped embeddings model would be one more replica on the cores.
     model = next(m for m in args["models"] if m.get("task", "generate") == "generate")
     args["models"] = [model]
+    args["layout"] = layout
     model["triton"]["model_repository"] = str(repository)
     model["deployment"].pop("autoscaling_config", None)
     model["deployment"]["num_replicas"] = 1
@@ -380,6 +383,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "RAY_SERVE_THROUGHPUT_OPTIMIZED=1); default: Ray Serve as it comes",
     )
     p.add_argument(
+        "--layout",
+        choices=("ingress", "direct"),
+        default="ingress",
+        help="the stack's layout (serve/config.py): an ingress in front of the Triton "
+        "replica, or the replica serving the API itself",
+    )
+    p.add_argument(
         "--repository", type=Path, help="a built model repository (default: build the bench model)"
     )
     p.add_argument(
@@ -446,7 +456,12 @@ def start_systems(
         apart[RAYLLM_APP] = pids[0]
     if systems & {"pipeline", "stack"}:
         config = serve_config(
-            repository, free_port(), args.baseline_threads, args.checkpoint, args.gpus_per_replica
+            repository,
+            free_port(),
+            args.baseline_threads,
+            args.checkpoint,
+            args.gpus_per_replica,
+            args.layout,
         )
         url = stack.enter_context(serve_run(config, args.out, args.serve_mode))
         if "stack" in systems:
