@@ -1,4 +1,5 @@
-"""The HTTP front door: the FastAPI app under ``@serve.ingress``, routing to Triton replicas.
+"""The HTTP front door: the FastAPI app under ``@serve.ingress``, routing to Triton replicas
+(``ApiBackend``, the API's side of it, also serves ``layout: direct``: direct.py).
 
 Generation goes to each model's Triton replicas through a streaming
 DeploymentHandle. When a client disconnects, Starlette cancels the response task;
@@ -325,8 +326,8 @@ class ApiBackend:
 
 @serve.ingress()  # the app is built in the replica, by __serve_build_asgi_app__
 class OpenAIIngress(ApiBackend):
-    """The front door of every layout but ``direct``: routes each request by its
-    ``model`` to that model's deployment, over a streaming DeploymentHandle."""
+    """The front door of ``layout: ingress``: routes each request by its ``model`` to
+    that model's deployment, over a streaming DeploymentHandle."""
 
     async def __init__(
         self, replicas: dict, config: AppConfig, metrics_collector=None, response_store=None

@@ -3,19 +3,18 @@
 Through the ensemble, every streamed response of the engine goes from Triton's core to
 the postprocessing model's Python stub (a shared-memory round trip, a process switch)
 and back before it reaches the replica. The replica holds the model's tokenizer
-anyway, so it can run both steps itself, as Triton's OpenAI frontend and vLLM's API
-server do: it tokenizes with the preprocessing's own code and parameters
-(``tritonllm.preprocess``), sends the engine step its tensors, and detokenizes each
-response incrementally (``tritonllm.detokenize``, the postprocessing's detokenizer).
-Which tensor feeds which is read from the ensemble's own ``ensemble_scheduling``, so a
-variant's ensemble goes the same way. The ensemble stays in the repository, complete,
-for clients that call Triton directly (``triton.pipeline: ensemble`` sends the
-replica's requests through it too).
+anyway, so it runs both steps itself, as vLLM's OpenAI server and TensorRT-LLM's
+``trtllm-serve`` do in their API process: it tokenizes with the preprocessing's own
+code and parameters (``tritonllm.preprocess``), sends the engine step its tensors, and
+detokenizes each response incrementally (``tritonllm.detokenize``, the
+postprocessing's detokenizer). Which tensor feeds which is read from the ensemble's
+own ``ensemble_scheduling``, so a variant's ensemble goes the same way. The ensemble
+stays in the repository, complete, for clients that call Triton directly
+(``triton.pipeline: ensemble`` sends the replica's requests through it too).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +27,6 @@ from tritonllm import contract
 from tritonllm.detokenize import IncrementalDetokenizer
 from tritonllm.preprocess import ARGUMENTS, preprocess
 from tritonllm.tokenization import InvalidRequest, load_tokenizer
-
-log = logging.getLogger("ray.serve")
 
 # The preprocessing's and postprocessing's parameters (NVIDIA's names, ours alike).
 _TOKENIZER_DIR, _ADD_SPECIAL, _SKIP_SPECIAL = (
@@ -59,13 +56,8 @@ class EnsembleSteps:
 def read_steps(repository_dir: Path, ensemble: str) -> EnsembleSteps:
     config = repository.read_config(repository_dir, ensemble)
     steps = {step.model_name: step for step in config.ensemble_scheduling.step}
-    engines = [
-        name for name in steps if name not in (contract.PREPROCESSING, contract.POSTPROCESSING)
-    ]
-    if (
-        set(steps) - set(engines) != {contract.PREPROCESSING, contract.POSTPROCESSING}
-        or len(engines) != 1
-    ):
+    engines = sorted(set(steps) - {contract.PREPROCESSING, contract.POSTPROCESSING})
+    if len(steps) != 3 or len(engines) != 1:
         raise StepsUnsupported(f"{ensemble}'s steps are {sorted(steps)}")
     pre, engine = steps[contract.PREPROCESSING], steps[engines[0]]
     wiring = EnsembleSteps(
