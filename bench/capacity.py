@@ -162,19 +162,21 @@ def run_step(args, step_ms: float, levels, prompts: list[str]) -> list[dict]:
 
 def check_targets(results: list[dict], cores: int) -> list[dict]:
     """The serving path's CPU per token at 256 streams, and the stack against Triton
-    alone where Triton alone leaves the machine at least half idle."""
+    alone at 256 streams and wherever Triton alone leaves the machine at least half idle."""
     checks = []
     for level in results:
         if level["system"] == "stack" and level["concurrency"] == 256:
             value = level["serving_ms_per_token"]
             checks.append(
                 _check(f"stack serving CPU ms/token, 256 streams, step {level['step_ms']:g} ms",
-                       value, "<= 0.3", value is not None and value <= 0.3)
+                       value, "<= 0.2", value is not None and value <= 0.2)
             )  # fmt: skip
     by_key = {(r["system"], r["step_ms"], r["concurrency"]): r for r in results}
     for (system, step, c), alone in sorted(by_key.items()):
         stack = by_key.get(("stack", step, c))
-        if system != "triton" or stack is None or alone["serving_cores"] > cores / 2:
+        if system != "triton" or stack is None:
+            continue
+        if c != 256 and alone["serving_cores"] > cores / 2:
             continue
         ratio = stack["output_tokens_per_s"] / alone["output_tokens_per_s"]
         added = stack["ttft_p50_ms"] - alone["ttft_p50_ms"]
