@@ -24,6 +24,7 @@ from tests.fuzzing import server_errors
 from tests.grafana import queried_metrics
 from tests.integration.cluster import child_pids, process_name, serve_config
 from tests.integration.repositories import repository_with_limits
+from tritonllm import contract
 
 pytestmark = pytest.mark.integration
 MODEL = "tritonllm-default"
@@ -198,12 +199,13 @@ def test_a_deployed_app_serves_with_request_ids_metrics_and_loopback_triton(
         bad = metric_values(text, "tritonllm_requests_total", model=MODEL, status="400")
         counts = [sum(v for _, v in metric_values(text, name)) for name in counted]
         # Triton's own counters too: a scrape taken mid-request has the engine's tokens
-        # but not yet the ensemble's success.
-        ensemble = metric_values(text, "nv_inference_request_success", model="ensemble")
-        return ok and bad and all(counts) and any(v for _, v in ensemble) and (text, ensemble)
+        # but not yet its success (the replica's requests go to the engine step:
+        # triton.pipeline: replica).
+        engine = metric_values(text, "nv_inference_request_success", model=contract.TENSORRT_LLM)
+        return ok and bad and all(counts) and any(v for _, v in engine) and (text, engine)
 
-    text, ensemble = wait_for(exported, 60, "request, latency, token and Triton metrics")
-    (labels, _), *_ = ensemble
+    text, engine = wait_for(exported, 60, "request, latency, token and Triton metrics")
+    (labels, _), *_ = engine
     assert labels["replica"] == replica["replica_id"] and labels["deployment"] == TRITON
     # Types survive the trip: Triton's counters stay counters under Triton's own names.
     for name, kind in [
@@ -316,7 +318,9 @@ def test_load_scales_out_to_a_second_replica_and_back(cluster, built_repository)
 
         def both_served():  # one scrape shows every replica's counters
             served = metric_values(
-                app_metrics(cluster.url), "nv_inference_request_success", model="ensemble"
+                app_metrics(cluster.url),
+                "nv_inference_request_success",
+                model=contract.TENSORRT_LLM,
             )
             return {labels["replica"] for labels, value in served if value > 0}
 
