@@ -14,6 +14,7 @@ they resume on another replica, serve/migration.py); the config says so
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from ray import serve
 
@@ -48,8 +49,10 @@ class DirectReplica(ApiBackend):
         self, model: ModelConfig, params: GenerateParams
     ) -> AsyncIterator[GenerationChunk]:
         try:
-            async for chunk in self.triton.generate(params):
-                yield chunk
+            # aclosing: a client that goes away stops the engine's sequence at once.
+            async with aclosing(self.triton.generate(params)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except Exception as error:
             raise (as_api_error(error) or error) from None
 
