@@ -37,7 +37,9 @@ class DirectReplica(ApiBackend):
         # (here within this process's one publication: _metrics_text).
         self.triton = TritonReplica.__new__(TritonReplica)
         await self.triton.__init__(model)
-        self._start_api(config, metrics_collector, response_store)
+        # The API's tokenizer (chat template, migration) is the replica's own: one load.
+        tokenizers = {model.id: self.triton.tokenizer}
+        self._start_api(config, metrics_collector, response_store, tokenizers)
 
     async def _metrics_text(self) -> str:
         return self.metrics.text() + await self.triton.host.metrics()

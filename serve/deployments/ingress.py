@@ -127,7 +127,10 @@ class ApiBackend:
     Triton: over Serve's DeploymentHandles (:class:`OpenAIIngress`), or to the Triton
     the replica itself owns (``serve/deployments/direct.py``, ``layout: direct``)."""
 
-    def _start_api(self, config: AppConfig, metrics_collector=None, response_store=None) -> None:
+    def _start_api(
+        self, config: AppConfig, metrics_collector=None, response_store=None, tokenizers=None
+    ) -> None:
+        """``tokenizers``: those this process has loaded already, by model id."""
         from tritonllm.tokenization import load_tokenizer
 
         self.config = config
@@ -143,7 +146,10 @@ class ApiBackend:
             self._publisher = MetricsPublisher(metrics_collector, self._metrics_text, labels)
             self._publisher.start()
         checkpoints = {m.id: _tokenizer_dir(m) for m in config.models if m.task == "generate"}
-        self.tokenizers = {i: load_tokenizer(str(d)) for i, d in checkpoints.items()}
+        loaded = {i: t for i, t in (tokenizers or {}).items() if t is not None}
+        self.tokenizers = {
+            i: loaded.get(i) or load_tokenizer(str(d)) for i, d in checkpoints.items()
+        }
         self._sampling = {i: SamplingDefaults.from_checkpoint(d) for i, d in checkpoints.items()}
         self._extensions = {
             m.id: _serves_engine_extensions(m) for m in config.models if m.task == "generate"

@@ -61,10 +61,11 @@ class TritonReplica:
         await asyncio.to_thread(self.host.start)
         self._watch = asyncio.create_task(self._exit_with_triton())
         self._routes: dict[str, Route] = {}  # ensemble -> how its requests go (_route)
+        self.tokenizer = None  # the preprocessing's, where this replica tokenizes itself
         if model.task == "generate" and model.triton.pipeline == "replica":
-            # The preprocessing's tokenizer, shared by every ensemble (a pool's variants).
+            # Shared by every ensemble (a pool's variants) and, in layout: direct, the API.
             tokenizer_dir = repository.tokenizer_dir(model.triton.repository_path())
-            self._tokenizer = await asyncio.to_thread(load_tokenizer, str(tokenizer_dir))
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, str(tokenizer_dir))
         self._metrics = None  # Triton's metrics text, to the app's collector (GET /metrics)
         if metrics_collector is not None:
             self._metrics = MetricsPublisher(metrics_collector, self.host.metrics, replica_labels())
@@ -114,7 +115,7 @@ class TritonReplica:
             if self.model.triton.pipeline == "replica":
                 try:
                     self._routes[ensemble] = ReplicaSteps.load(
-                        self.model.triton.repository_path(), ensemble, self._tokenizer
+                        self.model.triton.repository_path(), ensemble, self.tokenizer
                     )
                 except StepsUnsupported as error:
                     log.warning("%s: requests go through the ensemble: %s", ensemble, error)
