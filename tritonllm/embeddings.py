@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tritonllm import contract
 from tritonllm.tokenization import InvalidRequest
 
 # sentence-transformers' module classes, by the last part of their type name (older
@@ -185,8 +186,8 @@ def embed_requests(
         row += len(request)
         answers.append(
             {
-                "embedding": result.vectors[rows],
-                "num_tokens": result.num_tokens[rows].reshape(-1, 1),
+                contract.EMBEDDINGS_VECTOR.name: result.vectors[rows],
+                contract.EMBEDDINGS_NUM_TOKENS.name: result.num_tokens[rows].reshape(-1, 1),
             }
         )
     return answers

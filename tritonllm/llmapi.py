@@ -373,10 +373,7 @@ class LLMAPIEngine:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _validate(self, request: GenerationRequest) -> None:
-        if not request.input_ids:
-            raise InvalidRequest("input_ids is empty: the prompt must contain at least one token")
-        if request.max_tokens <= 0:
-            raise InvalidRequest(f"max_tokens must be > 0, got {request.max_tokens}")
+        request.check()  # the contract's own rules, as the torch engine checks them
         length = len(request.input_ids)
         if self._max_input_len and length > self._max_input_len:
             raise InvalidRequest(
@@ -393,12 +390,7 @@ class LLMAPIEngine:
         """The request's adapter as a ``LoRARequest`` (None: the base model). Raises
         InvalidRequest: TensorRT-LLM's cache miss for an id alone that is not held
         (the caller resends it with the weights), or an adapter that does not fit."""
-        if request.lora_task_id is None:
-            if request.lora is not None:
-                raise InvalidRequest(
-                    "lora_weights and lora_config came without lora_task_id: "
-                    "send the adapter's task id with its weights"
-                )
+        if request.lora_task_id is None:  # (weights without an id: refused by check())
             return None
         if self._adapters is None or self._lora_request_cls is None:
             raise InvalidRequest(

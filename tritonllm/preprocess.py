@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from tritonllm import tokenization
+from tritonllm import contract, tokenization
 from tritonllm.tokenization import InvalidRequest
 
 # The preprocessing model's inputs (contract.PREPROCESSING_INPUTS) as :func:`preprocess`'s
 # arguments: the Triton model and the replica's own steps (serve/triton/steps.py) use it.
 ARGUMENTS = {
-    "QUERY": "query",
-    "REQUEST_OUTPUT_LEN": "request_output_len",
-    "INPUT_IDS": "prompt_ids",
-    "BAD_WORDS_DICT": "bad_words",
-    "STOP_WORDS_DICT": "stop_words",
-    "END_ID": "end_id",
-    "PAD_ID": "pad_id",
-    "EMBEDDING_BIAS_WORDS": "bias_words",
-    "EMBEDDING_BIAS_WEIGHTS": "bias_weights",
-    "EMBEDDING_BIAS_TOKEN_IDS": "bias_token_ids",
+    spec.name: argument
+    for spec, argument in (
+        (contract.PRE_QUERY, "query"),
+        (contract.PRE_REQUEST_OUTPUT_LEN, "request_output_len"),
+        (contract.PRE_INPUT_IDS, "prompt_ids"),
+        (contract.PRE_BAD_WORDS_DICT, "bad_words"),
+        (contract.PRE_STOP_WORDS_DICT, "stop_words"),
+        (contract.PRE_END_ID, "end_id"),
+        (contract.PRE_PAD_ID, "pad_id"),
+        (contract.PRE_EMBEDDING_BIAS_WORDS, "bias_words"),
+        (contract.PRE_EMBEDDING_BIAS_WEIGHTS, "bias_weights"),
+        (contract.PRE_EMBEDDING_BIAS_TOKEN_IDS, "bias_token_ids"),
+    )
 }
 
 
@@ -64,6 +67,7 @@ def preprocess(
     tokenized it: used as it is, ``query`` ignored."""
     batch = query.shape[0]
     output_len = np.asarray(request_output_len, dtype=np.int32).reshape(batch, 1)
+    # Kept though our engines check it too: our only guard before TensorRT-LLM's C++ backend.
     if (output_len <= 0).any():
         raise InvalidRequest(
             f"max_tokens must be > 0, got {int(output_len.min())}: ask for at least one token"
@@ -86,14 +90,14 @@ def preprocess(
         input_ids[i, :] = pad_ids[i, 0]
         input_ids[i, : len(row)] = row
     return {
-        "INPUT_ID": input_ids,
-        "REQUEST_INPUT_LEN": np.array([[len(x)] for x in ids], dtype=np.int32),
-        "BAD_WORDS_IDS": _word_lists(tokenizer, bad_words, batch),
-        "STOP_WORDS_IDS": _word_lists(tokenizer, stop_words, batch),
-        "REQUEST_OUTPUT_LEN": output_len,
-        "OUT_END_ID": end_ids,
-        "OUT_PAD_ID": pad_ids,
-        "EMBEDDING_BIAS": embedding_bias(
+        contract.PRE_INPUT_ID.name: input_ids,
+        contract.PRE_REQUEST_INPUT_LEN.name: np.array([[len(x)] for x in ids], dtype=np.int32),
+        contract.PRE_BAD_WORDS_IDS.name: _word_lists(tokenizer, bad_words, batch),
+        contract.PRE_STOP_WORDS_IDS.name: _word_lists(tokenizer, stop_words, batch),
+        contract.PRE_REQUEST_OUTPUT_LEN.name: output_len,
+        contract.PRE_OUT_END_ID.name: end_ids,
+        contract.PRE_OUT_PAD_ID.name: pad_ids,
+        contract.PRE_EMBEDDING_BIAS.name: embedding_bias(
             tokenizer, batch, bias_words, bias_weights, bias_token_ids
         ),
     }

@@ -240,9 +240,7 @@ class TritonReplica:
 
 
 def _texts(batch: list[str]) -> dict[str, np.ndarray]:
-    return {
-        contract.EMBEDDINGS_INPUTS[0].name: np.array([[t.encode()] for t in batch], dtype=object)
-    }
+    return {contract.EMBEDDINGS_TEXT.name: np.array([[t.encode()] for t in batch], dtype=object)}
 
 
 class LoadedAdapter:

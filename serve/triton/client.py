@@ -29,10 +29,12 @@ class Result:
 
 
 def ensemble_values(prompt: str, max_tokens: int | None, **optional) -> dict[str, np.ndarray]:
-    values = {"text_input": np.array([[prompt.encode()]], dtype=object)}
-    if max_tokens is not None:
-        values["max_tokens"] = np.array([[max_tokens]], dtype=np.int32)
-    for name, value in optional.items():
+    """The ensemble's inputs: ``optional`` holds others by name (a list for a STRING one)."""
+    given = {contract.TEXT_INPUT.name: [prompt], contract.MAX_TOKENS.name: max_tokens}
+    values = {}
+    for name, value in (given | optional).items():
+        if value is None:  # max_tokens left out (to see the ensemble refuse it)
+            continue
         spec = contract.tensor(contract.ENSEMBLE, name)
         if isinstance(value, np.ndarray):
             array = value
@@ -107,11 +109,11 @@ def generate(
     """Run one ensemble request over a gRPC stream; raise on a Triton error."""
     with Stream(url) as stream:
         values = ensemble_values(prompt, max_tokens, **optional)
-        stream.send("ensemble", values, request_id or uuid.uuid4().hex)
+        stream.send(contract.ENSEMBLE, values, request_id or uuid.uuid4().hex)
         chunks, outputs = [], []
         for result in stream.responses(timeout_s):
             response = result.get_response()
             if response.outputs:
-                chunks.append(result.as_numpy("text_output").reshape(-1)[0].decode())
+                chunks.append(result.as_numpy(contract.TEXT_OUTPUT.name).reshape(-1)[0].decode())
                 outputs.append({o.name: result.as_numpy(o.name) for o in response.outputs})
         return Result(chunks, outputs)

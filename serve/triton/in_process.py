@@ -203,7 +203,9 @@ class InProcessHost:
         if model not in self._engine_steps:
             config = self._require().model(model).config()
             steps = config.get("ensemble_scheduling", {}).get("step", [])
-            engines = [s["model_name"] for s in steps if "input_ids" in s.get("input_map", {})]
+            engines = [
+                s["model_name"] for s in steps if contract.INPUT_IDS.name in s.get("input_map", {})
+            ]
             self._engine_steps[model] = engines[0] if engines else model
         return self._engine_steps[model]
 

@@ -74,4 +74,4 @@ def serves_engine_extensions(repository: Path, engine: str = contract.TENSORRT_L
     probabilities, the prompt's, the prefix cache's count): the torch engine does, a
     repository built for TensorRT-LLM does not (``tritonllm.contract``)."""
     declared = {output.name for output in read_config(repository, engine).output}
-    return "top_log_probs" in declared
+    return contract.TOP_LOG_PROBS.name in declared

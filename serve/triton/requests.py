@@ -18,54 +18,60 @@ from tritonllm.detokenize import IncrementalDetokenizer
 
 _NO_IDS = np.empty(0, dtype=np.int32)
 
+# GenerateParams' optional sampling fields, each named as its ensemble input.
 _OPTIONAL_SCALARS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "min_tokens",
+    contract.TEMPERATURE,
+    contract.TOP_P,
+    contract.TOP_K,
+    contract.SEED,
+    contract.REPETITION_PENALTY,
+    contract.PRESENCE_PENALTY,
+    contract.FREQUENCY_PENALTY,
+    contract.MIN_TOKENS,
 )
+
+
+def _put(values: dict[str, np.ndarray], spec: contract.Tensor, *items) -> None:
+    """``items`` as ``spec``'s [1, len(items)] tensor (texts encoded), under its name."""
+    if spec.triton_dtype == "TYPE_STRING":
+        values[spec.name] = np.array([[item.encode() for item in items]], dtype=object)
+    else:
+        values[spec.name] = np.array([items], dtype=spec.numpy_dtype)
 
 
 def ensemble_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
     """The ensemble's input tensors (batch 1, streamed, prompt excluded from the output)."""
-    values = {
-        "text_input": np.array([[params.prompt.encode()]], dtype=object),
-        "max_tokens": np.array([[params.max_tokens]], dtype=np.int32),
-        "stream": np.array([[True]]),
-        "exclude_input_in_output": np.array([[True]]),
-        "return_num_input_tokens": np.array([[True]]),
-        "return_num_output_tokens": np.array([[True]]),
-        "return_log_probs": np.array([[params.return_log_probs]]),
-    }
-    for name in _OPTIONAL_SCALARS:
-        value = getattr(params, name)
+    values: dict[str, np.ndarray] = {}
+    _put(values, contract.TEXT_INPUT, params.prompt)
+    _put(values, contract.MAX_TOKENS, params.max_tokens)
+    _put(values, contract.STREAM, True)
+    _put(values, contract.EXCLUDE_INPUT_IN_OUTPUT, True)
+    _put(values, contract.RETURN_NUM_INPUT_TOKENS, True)
+    _put(values, contract.RETURN_NUM_OUTPUT_TOKENS, True)
+    _put(values, contract.RETURN_LOG_PROBS, params.return_log_probs)
+    for spec in _OPTIONAL_SCALARS:
+        value = getattr(params, spec.name)
         if value is not None:
-            spec = contract.tensor(contract.ENSEMBLE, name)
-            values[name] = np.array([[value]], dtype=spec.numpy_dtype)
+            _put(values, spec, value)
     if params.prompt_token_ids:
-        values["input_ids"] = np.array([params.prompt_token_ids], dtype=np.int32)
+        _put(values, contract.INPUT_IDS, *params.prompt_token_ids)
     if params.resumed_tokens:
-        values["resumed_output_len"] = np.array([[params.resumed_tokens]], dtype=np.int32)
+        _put(values, contract.RESUMED_OUTPUT_LEN, params.resumed_tokens)
     if params.ignore_eos:  # TensorRT-LLM's "no end id"
-        values["end_id"] = np.array([[-1]], dtype=np.int32)
+        _put(values, contract.END_ID, -1)
     if params.stop:
-        values["stop_words"] = np.array([[w.encode() for w in params.stop]], dtype=object)
+        _put(values, contract.STOP_WORDS, *params.stop)
     if params.top_log_probs:
-        values["num_top_log_probs"] = np.array([[params.top_log_probs]], dtype=np.int32)
+        _put(values, contract.NUM_TOP_LOG_PROBS, params.top_log_probs)
     if params.prompt_log_probs:
-        values["return_prompt_log_probs"] = np.array([[True]])
+        _put(values, contract.RETURN_PROMPT_LOG_PROBS, True)
     if params.guide_type:  # TensorRT-LLM's guided decoding (XGrammar)
-        for name, text in (("type", params.guide_type), ("", params.guide)):
-            tensor = f"guided_decoding_guide_{name}".rstrip("_")
-            values[tensor] = np.array([[text.encode()]], dtype=object)
+        _put(values, contract.GUIDED_DECODING_GUIDE_TYPE, params.guide_type)
+        _put(values, contract.GUIDED_DECODING_GUIDE, params.guide)
     if params.logit_bias:
         ids, weights = zip(*params.logit_bias, strict=True)
-        values["embedding_bias_token_ids"] = np.array([ids], dtype=np.int32)
-        values["embedding_bias_weights"] = np.array([weights], dtype=np.float32)
+        _put(values, contract.EMBEDDING_BIAS_TOKEN_IDS, *ids)
+        _put(values, contract.EMBEDDING_BIAS_WEIGHTS, *weights)
     return values | _lora_inputs(params)
 
 
@@ -74,10 +80,12 @@ def _lora_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
     them (the engine's first use of the adapter; docs/lora.md)."""
     if params.lora_task_id is None:
         return {}
-    values = {"lora_task_id": np.array([[params.lora_task_id]], dtype=np.uint64)}
+    values: dict[str, np.ndarray] = {}
+    _put(values, contract.LORA_TASK_ID, params.lora_task_id)
     if params.lora_tensors is not None:
-        values["lora_weights"] = params.lora_tensors.weights.astype(np.float16)[None]
-        values["lora_config"] = params.lora_tensors.config.astype(np.int32)[None]
+        weights, config = params.lora_tensors.weights, params.lora_tensors.config
+        values[contract.LORA_WEIGHTS.name] = weights.astype(contract.LORA_WEIGHTS.numpy_dtype)[None]
+        values[contract.LORA_CONFIG.name] = config.astype(contract.LORA_CONFIG.numpy_dtype)[None]
     return values
 
 
@@ -85,27 +93,34 @@ def ensemble_outputs(params: GenerateParams) -> tuple[str, ...]:
     """The ensemble outputs a chunk is made of: asking for no others spares Triton and
     the replica a serialization and a parse of each per response."""
     # output_ids always: a lost replica's answer resumes from them (serve/migration.py).
-    names = ("text_output", "output_ids", "num_input_tokens", "num_output_tokens")
-    # On a request's first response, and on its last (where the engine has them).
-    names += ("num_cached_tokens", "finish_reason")
+    specs = [
+        contract.TEXT_OUTPUT,
+        contract.OUTPUT_IDS,
+        contract.NUM_INPUT_TOKENS,
+        contract.NUM_OUTPUT_TOKENS,
+        # On a request's first response, and on its last (where the engine has them).
+        contract.NUM_CACHED_TOKENS,
+        contract.FINISH_REASON,
+    ]
     if params.return_log_probs:
-        names += ("cum_log_probs", "output_log_probs")
+        specs += (contract.CUM_LOG_PROBS, contract.OUTPUT_LOG_PROBS)
     if params.top_log_probs:
-        names += ("top_log_probs", "top_token_ids")
+        specs += (contract.TOP_LOG_PROBS, contract.TOP_TOKEN_IDS)
     if params.prompt_log_probs:
-        names += ("prompt_token_ids", "prompt_log_probs")
-        names += ("prompt_top_log_probs", "prompt_top_token_ids") if params.top_log_probs else ()
-    return names
+        specs += (contract.PROMPT_TOKEN_IDS, contract.PROMPT_LOG_PROBS)
+        if params.top_log_probs:
+            specs += (contract.PROMPT_TOP_LOG_PROBS, contract.PROMPT_TOP_TOKEN_IDS)
+    return tuple(spec.name for spec in specs)
 
 
 def stop_inputs() -> dict[str, np.ndarray]:
     """A ``tensorrt_llm`` request that stops the request with the same id."""
-    return {
-        "input_ids": np.zeros((1, 1), dtype=np.int32),
-        "input_lengths": np.ones((1, 1), dtype=np.int32),
-        "request_output_len": np.ones((1, 1), dtype=np.int32),
-        "stop": np.array([[True]]),
-    }
+    values: dict[str, np.ndarray] = {}
+    _put(values, contract.INPUT_IDS, 0)
+    _put(values, contract.INPUT_LENGTHS, 1)
+    _put(values, contract.REQUEST_OUTPUT_LEN, 1)
+    _put(values, contract.STOP, True)
+    return values
 
 
 def chunk_from_outputs(
@@ -119,54 +134,61 @@ def chunk_from_outputs(
     The text is the response's ``text_output``, or with ``detokenizer`` (the request's
     own, in the replica) the text its ``output_ids`` complete."""
 
-    def scalar(name: str):
-        return outputs[name].reshape(-1)[0] if name in outputs else None
+    def scalar(spec: contract.Tensor):
+        return outputs[spec.name].reshape(-1)[0] if spec.name in outputs else None
 
-    ids = outputs.get("output_ids", _NO_IDS).reshape(-1).tolist()  # [1, beam 1, new tokens]
+    ids = outputs.get(contract.OUTPUT_IDS.name, _NO_IDS).reshape(-1).tolist()  # [1, 1, new]
     if detokenizer is not None:
         text = detokenizer.add(ids)
     else:
-        text = scalar("text_output")
+        text = scalar(contract.TEXT_OUTPUT)
         text = text.decode() if isinstance(text, bytes) else str(text or "")
+    cached = scalar(contract.NUM_CACHED_TOKENS)
     chunk = GenerationChunk(
         text=text,
         token_ids=tuple(ids),
-        num_input_tokens=int(scalar("num_input_tokens") or 0),
-        num_output_tokens=int(scalar("num_output_tokens") or 0),
-        num_cached_tokens=int(
-            scalar("num_cached_tokens") or (earlier.num_cached_tokens if earlier else 0)
-        ),
+        num_input_tokens=int(scalar(contract.NUM_INPUT_TOKENS) or 0),
+        num_output_tokens=int(scalar(contract.NUM_OUTPUT_TOKENS) or 0),
+        num_cached_tokens=int(cached or (earlier.num_cached_tokens if earlier else 0)),
     )
     if not params.return_log_probs:
         return chunk
-    cum = scalar("cum_log_probs")
-    log_probs = outputs.get("output_log_probs", np.empty(0)).reshape(-1)[: len(ids)]
+    cum = scalar(contract.CUM_LOG_PROBS)
+    log_probs = outputs.get(contract.OUTPUT_LOG_PROBS.name, np.empty(0)).reshape(-1)
+    top = ()
+    if params.top_log_probs:
+        top = _top(outputs, contract.TOP_TOKEN_IDS, contract.TOP_LOG_PROBS, len(ids))
     return dataclasses.replace(
         chunk,
         cum_log_prob=None if cum is None else float(cum),
-        token_log_probs=tuple(log_probs.tolist()),
-        top_log_probs=_top(outputs, "top", len(ids)) if params.top_log_probs else (),
+        token_log_probs=tuple(log_probs[: len(ids)].tolist()),
+        top_log_probs=top,
         prompt=_prompt(outputs) if params.prompt_log_probs else None,
     )
 
 
-def _top(outputs: dict[str, np.ndarray], prefix: str, positions: int) -> tuple[TopLogProbs, ...]:
-    """``{prefix}_token_ids`` and ``{prefix}_log_probs`` ([1, positions, k]) per position."""
-    if f"{prefix}_token_ids" not in outputs or not positions:  # (the final response: none)
+def _top(
+    outputs: dict[str, np.ndarray],
+    ids_spec: contract.Tensor,
+    values_spec: contract.Tensor,
+    positions: int,
+) -> tuple[TopLogProbs, ...]:
+    """The alternatives' ids and log probabilities ([1, positions, k] each) per position."""
+    if ids_spec.name not in outputs or not positions:  # (the final response: none)
         return ()
-    ids = outputs[f"{prefix}_token_ids"].reshape(positions, -1).tolist()
-    values = outputs[f"{prefix}_log_probs"].reshape(positions, -1).tolist()
+    ids = outputs[ids_spec.name].reshape(positions, -1).tolist()
+    values = outputs[values_spec.name].reshape(positions, -1).tolist()
     return tuple(TopLogProbs(tuple(i), tuple(v)) for i, v in zip(ids, values, strict=True))
 
 
 def _prompt(outputs: dict[str, np.ndarray]) -> PromptLogProbs | None:
     """The prompt's log probabilities, on a request's first response (None on the others);
     the first token has none."""
-    if "prompt_token_ids" not in outputs:
+    if contract.PROMPT_TOKEN_IDS.name not in outputs:
         return None
-    ids = tuple(outputs["prompt_token_ids"].reshape(-1).tolist())
-    chosen = outputs["prompt_log_probs"].reshape(-1).tolist()
-    top = _top(outputs, "prompt_top", len(ids))
+    ids = tuple(outputs[contract.PROMPT_TOKEN_IDS.name].reshape(-1).tolist())
+    chosen = outputs[contract.PROMPT_LOG_PROBS.name].reshape(-1).tolist()
+    top = _top(outputs, contract.PROMPT_TOP_TOKEN_IDS, contract.PROMPT_TOP_LOG_PROBS, len(ids))
     return PromptLogProbs(
         token_ids=ids,
         log_probs=(None, *chosen[1:]),
@@ -186,7 +208,7 @@ class ResponseReader:
         self.reason: str | None = None  # the engine's, on its last response
 
     def chunk(self, outputs: dict[str, np.ndarray]) -> GenerationChunk:
-        code = outputs.get("finish_reason")
+        code = outputs.get(contract.FINISH_REASON.name)
         if code is not None:
             self.reason = contract.FINISH_REASONS.get(int(code.reshape(-1)[0]), self.reason)
         self.last = chunk_from_outputs(outputs, self.params, self.last, self.detokenizer)

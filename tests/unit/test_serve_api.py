@@ -13,7 +13,12 @@ from serve.api.schemas import ChatCompletionRequest, CompletionRequest
 from serve.config import AppConfig
 from serve.generation import GenerateParams, GenerationChunk, GenerationError
 from serve.triton import repository
-from serve.triton.requests import ResponseReader, ensemble_inputs, inferred_finish_reason
+from serve.triton.requests import (
+    ResponseReader,
+    ensemble_inputs,
+    ensemble_outputs,
+    inferred_finish_reason,
+)
 from serve.triton.sidecar import classify
 from tests.conftest import ROOT
 from tritonllm import contract
@@ -97,17 +102,23 @@ def test_max_completion_tokens_wins_over_max_tokens():
 
 
 def test_ensemble_inputs_follow_the_contract():
-    params = GenerateParams("hi", 5, temperature=0.5, top_k=3, seed=2**63, stop=("x",))
-    for name, array in ensemble_inputs(params).items():
-        spec = contract.tensor(contract.ENSEMBLE, name)
-        if spec.triton_dtype != "TYPE_STRING":
-            assert array.dtype == spec.numpy_dtype, name
-    assert int(ensemble_inputs(params)["seed"][0, 0]) == 2**63
-    assert "resumed_output_len" not in ensemble_inputs(params)
+    params = GenerateParams(
+        "hi", 5, temperature=0.5, top_k=3, seed=2**63, stop=("x",), return_log_probs=True
+    )
+    inputs = ensemble_inputs(params)
+    for name, array in inputs.items():
+        spec = contract.tensor(contract.ENSEMBLE, name)  # KeyError: not an ensemble input
+        assert spec in contract.ENSEMBLE_INPUTS, name
+        assert array.dtype == spec.numpy_dtype, name
+        assert array.ndim == len(spec.dims) + 1, name  # the batch dimension first
+    assert int(inputs[contract.SEED.name][0, 0]) == 2**63
+    assert contract.RESUMED_OUTPUT_LEN.name not in inputs
     resumed = GenerateParams("", 5, prompt_token_ids=(1, 7, 8), resumed_tokens=2)
     inputs = ensemble_inputs(resumed)
-    assert inputs["resumed_output_len"].tolist() == [[2]]
-    assert inputs["input_ids"].tolist() == [[1, 7, 8]]
+    assert inputs[contract.RESUMED_OUTPUT_LEN.name].tolist() == [[2]]
+    assert inputs[contract.INPUT_IDS.name].tolist() == [[1, 7, 8]]
+    output_names = {spec.name for spec in contract.ENSEMBLE_OUTPUTS}
+    assert set(ensemble_outputs(params)) <= output_names
 
 
 def test_without_the_engines_reason_length_is_read_only_at_max_tokens():

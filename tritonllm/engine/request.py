@@ -41,15 +41,13 @@ class GenerationRequest:
     def resumed_ids(self) -> tuple[int, ...]:
         return self.input_ids[len(self.input_ids) - self.resumed_output_len :]
 
-    def validate(self, max_seq_len: int, vocab_size: int) -> None:
-        """Reject what cannot be served, naming the limit (before any compute)."""
+    def check(self) -> None:
+        """Reject what the contract's tensors must never hold, whichever engine reads them
+        (the torch engine's :meth:`validate`, and the LLM API target's submit)."""
         if not self.input_ids:
             raise InvalidRequest("input_ids is empty: the prompt must contain at least one token")
         if self.max_tokens <= 0:
             raise InvalidRequest(f"max_tokens must be > 0, got {self.max_tokens}")
-        bad = [t for t in self.input_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequest(f"input_ids contains ids outside [0, {vocab_size}): {bad[:5]}")
         if not 0 <= self.resumed_output_len < len(self.input_ids):
             raise InvalidRequest(
                 f"resumed_output_len must be in [0, {len(self.input_ids)}) (the input's "
@@ -60,15 +58,22 @@ class GenerationRequest:
                 f"num_top_log_probs must be in [0, {MAX_TOP_LOG_PROBS}], "
                 f"got {self.num_top_log_probs}"
             )
-        biased = [t for t, _ in self.sampling.logit_bias if t >= vocab_size]
-        if biased:
-            raise InvalidRequest(
-                f"embedding_bias is longer than the vocabulary ({vocab_size} tokens)"
-            )
         if self.lora is not None and self.lora_task_id is None:
             raise InvalidRequest(
                 "lora_weights and lora_config came without lora_task_id: "
                 "send the adapter's task id with its weights"
+            )
+
+    def validate(self, max_seq_len: int, vocab_size: int) -> None:
+        """Reject what the torch engine cannot serve, naming the limit (before any compute)."""
+        self.check()
+        bad = [t for t in self.input_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"input_ids contains ids outside [0, {vocab_size}): {bad[:5]}")
+        biased = [t for t, _ in self.sampling.logit_bias if t >= vocab_size]
+        if biased:
+            raise InvalidRequest(
+                f"embedding_bias is longer than the vocabulary ({vocab_size} tokens)"
             )
         if self.guide_type is not None:
             check_guide(self.guide_type, self.guide)  # the grammar itself: at compilation

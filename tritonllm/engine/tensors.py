@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tritonllm.contract import FINISH_REASON_CODES
+from tritonllm import contract
 from tritonllm.engine.request import GenerationRequest
 from tritonllm.engine.sampling import SamplingParams
 from tritonllm.engine.scheduler import GenerationChunk
@@ -16,7 +16,8 @@ from tritonllm.tokenization import InvalidRequest, from_word_list
 Getter = Callable[[str], "np.ndarray | None"]
 
 
-def _scalar(get: Getter, name: str, cast, default=None):
+def _scalar(get: Getter, spec: contract.Tensor, cast, default=None):
+    name = spec.name
     value = get(name)
     if value is None:
         return default
@@ -26,8 +27,8 @@ def _scalar(get: Getter, name: str, cast, default=None):
     return cast(flat[0])
 
 
-def _word_list(get: Getter, name: str) -> tuple[tuple[int, ...], ...]:
-    value = get(name)
+def _word_list(get: Getter, spec: contract.Tensor) -> tuple[tuple[int, ...], ...]:
+    value = get(spec.name)
     if value is None:
         return ()
     value = np.asarray(value)
@@ -36,7 +37,7 @@ def _word_list(get: Getter, name: str) -> tuple[tuple[int, ...], ...]:
 
 def _logit_bias(get: Getter) -> tuple[tuple[int, float], ...]:
     """The dense ``embedding_bias`` ([vocabulary], or [0]: none) as (token id, bias) pairs."""
-    value = get("embedding_bias")
+    value = get(contract.EMBEDDING_BIAS.name)
     if value is None:
         return ()
     bias = np.asarray(value, dtype=np.float32).reshape(-1)
@@ -44,29 +45,29 @@ def _logit_bias(get: Getter) -> tuple[tuple[int, float], ...]:
     return tuple(zip(ids.tolist(), bias[ids].tolist(), strict=True))
 
 
-def _text(get: Getter, name: str) -> str | None:
+def _text(get: Getter, spec: contract.Tensor) -> str | None:
     """A STRING [1] tensor's text (bytes decoded as UTF-8), or None when absent."""
-    value = _scalar(get, name, lambda v: v)
+    value = _scalar(get, spec, lambda v: v)
     if value is None:
         return None
     if isinstance(value, bytes):
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError:
-            raise InvalidRequest(f"{name} is not valid UTF-8") from None
+            raise InvalidRequest(f"{spec.name} is not valid UTF-8") from None
     return str(value)
 
 
 def _guide(get: Getter) -> tuple[str | None, str]:
     """(guide type, guide): an absent or empty type is no guided decoding."""
-    guide_type = _text(get, "guided_decoding_guide_type") or None
-    return guide_type, _text(get, "guided_decoding_guide") or ""
+    guide_type = _text(get, contract.GUIDED_DECODING_GUIDE_TYPE) or None
+    return guide_type, _text(get, contract.GUIDED_DECODING_GUIDE) or ""
 
 
 def _lora(get: Getter) -> LoraTensors | None:
     """The adapter's ``lora_weights`` and ``lora_config`` (batch dimension dropped), or
     None when the request names its adapter by ``lora_task_id`` alone."""
-    weights, config = get("lora_weights"), get("lora_config")
+    weights, config = get(contract.LORA_WEIGHTS.name), get(contract.LORA_CONFIG.name)
     if weights is None and config is None:
         return None
     if weights is None or config is None:
@@ -81,52 +82,52 @@ def _lora(get: Getter) -> LoraTensors | None:
 
 
 def is_stop_request(get: Getter) -> bool:
-    return bool(_scalar(get, "stop", bool, False))
+    return bool(_scalar(get, contract.STOP, bool, False))
 
 
 def to_generation_request(request_id: str, get: Getter) -> GenerationRequest:
     """Read one tensorrt_llm request (batch dimension 1)."""
-    input_ids = np.asarray(get("input_ids"))
+    input_ids = np.asarray(get(contract.INPUT_IDS.name))
     if input_ids.ndim == 2 and input_ids.shape[0] != 1:
         raise InvalidRequest(
             f"batch size {input_ids.shape[0]} per request is not supported by the in-flight "
             "batcher; send one request per prompt"
         )
-    length = _scalar(get, "input_lengths", int, input_ids.shape[-1])
-    beam_width = _scalar(get, "beam_width", int, 1)
+    length = _scalar(get, contract.INPUT_LENGTHS, int, input_ids.shape[-1])
+    beam_width = _scalar(get, contract.BEAM_WIDTH, int, 1)
     if beam_width != 1:
         raise InvalidRequest(f"beam_width {beam_width} is not supported by the torch engine; use 1")
     sampling = SamplingParams(
-        temperature=_scalar(get, "temperature", float),
-        top_k=_scalar(get, "runtime_top_k", int, 0),
-        top_p=_scalar(get, "runtime_top_p", float),
-        seed=_scalar(get, "seed", int),
-        repetition_penalty=_scalar(get, "repetition_penalty", float, 1.0),
-        presence_penalty=_scalar(get, "presence_penalty", float, 0.0),
-        frequency_penalty=_scalar(get, "frequency_penalty", float, 0.0),
-        min_tokens=_scalar(get, "min_tokens", int, 0),
-        bad_words=_word_list(get, "bad_words_list"),
+        temperature=_scalar(get, contract.TEMPERATURE, float),
+        top_k=_scalar(get, contract.RUNTIME_TOP_K, int, 0),
+        top_p=_scalar(get, contract.RUNTIME_TOP_P, float),
+        seed=_scalar(get, contract.SEED, int),
+        repetition_penalty=_scalar(get, contract.REPETITION_PENALTY, float, 1.0),
+        presence_penalty=_scalar(get, contract.PRESENCE_PENALTY, float, 0.0),
+        frequency_penalty=_scalar(get, contract.FREQUENCY_PENALTY, float, 0.0),
+        min_tokens=_scalar(get, contract.MIN_TOKENS, int, 0),
+        bad_words=_word_list(get, contract.BAD_WORDS_LIST),
         logit_bias=_logit_bias(get),
     )
     guide_type, guide = _guide(get)
     return GenerationRequest(
         request_id=request_id,
         input_ids=tuple(int(t) for t in input_ids.reshape(-1)[:length]),
-        max_tokens=_scalar(get, "request_output_len", int),
-        end_id=_scalar(get, "end_id", int),
-        pad_id=_scalar(get, "pad_id", int),
-        stop_words=_word_list(get, "stop_words_list"),
+        max_tokens=_scalar(get, contract.REQUEST_OUTPUT_LEN, int),
+        end_id=_scalar(get, contract.END_ID, int),
+        pad_id=_scalar(get, contract.PAD_ID, int),
+        stop_words=_word_list(get, contract.STOP_WORDS_LIST),
         sampling=sampling,
-        streaming=_scalar(get, "streaming", bool, False),
-        exclude_input_in_output=_scalar(get, "exclude_input_in_output", bool, False),
-        return_log_probs=_scalar(get, "return_log_probs", bool, False),
-        num_top_log_probs=_scalar(get, "num_top_log_probs", int, 0),
-        return_prompt_log_probs=_scalar(get, "return_prompt_log_probs", bool, False),
+        streaming=_scalar(get, contract.STREAMING, bool, False),
+        exclude_input_in_output=_scalar(get, contract.EXCLUDE_INPUT_IN_OUTPUT, bool, False),
+        return_log_probs=_scalar(get, contract.RETURN_LOG_PROBS, bool, False),
+        num_top_log_probs=_scalar(get, contract.NUM_TOP_LOG_PROBS, int, 0),
+        return_prompt_log_probs=_scalar(get, contract.RETURN_PROMPT_LOG_PROBS, bool, False),
         guide_type=guide_type,
         guide=guide,
-        lora_task_id=_scalar(get, "lora_task_id", int),
+        lora_task_id=_scalar(get, contract.LORA_TASK_ID, int),
         lora=_lora(get),
-        resumed_output_len=_scalar(get, "resumed_output_len", int, 0),
+        resumed_output_len=_scalar(get, contract.RESUMED_OUTPUT_LEN, int, 0),
     )
 
 
@@ -135,13 +136,13 @@ def chunk_to_tensors(chunk: GenerationChunk, request: GenerationRequest) -> dict
     log_probs = chunk.log_probs if request.return_log_probs else [0.0] * len(chunk.token_ids)
     cum = chunk.cum_log_prob if request.return_log_probs else 0.0
     return {
-        "output_ids": np.array([[chunk.token_ids]], dtype=np.int32).reshape(1, 1, -1),
-        "sequence_length": np.array([[len(chunk.token_ids)]], dtype=np.int32),
-        "cum_log_probs": np.array([[cum]], dtype=np.float32),
-        "output_log_probs": np.array([[log_probs]], dtype=np.float32).reshape(1, 1, -1),
-        "num_input_tokens": np.array([[chunk.num_input_tokens]], dtype=np.int32),
-        "num_output_tokens": np.array([[chunk.num_output_tokens]], dtype=np.int32),
-        "batch_index": np.zeros((1, 1), dtype=np.int32),
+        contract.OUTPUT_IDS.name: np.array([[chunk.token_ids]], dtype=np.int32).reshape(1, 1, -1),
+        contract.SEQUENCE_LENGTH.name: np.array([[len(chunk.token_ids)]], dtype=np.int32),
+        contract.CUM_LOG_PROBS.name: np.array([[cum]], dtype=np.float32),
+        contract.OUTPUT_LOG_PROBS.name: np.array([[log_probs]], dtype=np.float32).reshape(1, 1, -1),
+        contract.NUM_INPUT_TOKENS.name: np.array([[chunk.num_input_tokens]], dtype=np.int32),
+        contract.NUM_OUTPUT_TOKENS.name: np.array([[chunk.num_output_tokens]], dtype=np.int32),
+        contract.BATCH_INDEX.name: np.zeros((1, 1), dtype=np.int32),
         **_extension_tensors(chunk, request),
     }
 
@@ -149,26 +150,33 @@ def chunk_to_tensors(chunk: GenerationChunk, request: GenerationRequest) -> dict
 def _extension_tensors(chunk: GenerationChunk, request: GenerationRequest) -> dict:
     """Our outputs beyond upstream's, each only in the responses that carry it."""
     tensors = {}
-    if request.num_top_log_probs and request.return_log_probs:
-        tensors |= _top_tensors("top", chunk.top_log_probs, request.num_top_log_probs)
-    if chunk.finished and chunk.finish_reason in FINISH_REASON_CODES:  # the last response
-        code = FINISH_REASON_CODES[chunk.finish_reason]
-        tensors["finish_reason"] = np.array([[code]], dtype=np.int32)
+    k = request.num_top_log_probs
+    if k and request.return_log_probs:
+        top = _top_tensors(chunk.top_log_probs, k)
+        tensors[contract.TOP_LOG_PROBS.name], tensors[contract.TOP_TOKEN_IDS.name] = top
+    codes = contract.FINISH_REASON_CODES
+    if chunk.finished and chunk.finish_reason in codes:  # the last response
+        code = codes[chunk.finish_reason]
+        tensors[contract.FINISH_REASON.name] = np.array([[code]], dtype=np.int32)
     if chunk.num_cached_tokens is not None:  # the first response
-        tensors["num_cached_tokens"] = np.array([[chunk.num_cached_tokens]], dtype=np.int32)
+        cached = np.array([[chunk.num_cached_tokens]], dtype=np.int32)
+        tensors[contract.NUM_CACHED_TOKENS.name] = cached
     if chunk.prompt_log_probs is not None:
         # The first prompt token has no log probability: 0 stands in its place.
         chosen = [0.0] + [p.chosen for p in chunk.prompt_log_probs]
-        tensors["prompt_token_ids"] = np.array([chunk.prompt_ids], dtype=np.int32)
-        tensors["prompt_log_probs"] = np.array([chosen], dtype=np.float32)
-        if request.num_top_log_probs:
-            top = _top_tensors("prompt_top", chunk.prompt_log_probs, request.num_top_log_probs)
-            tensors |= {name: np.pad(v, ((0, 0), (1, 0), (0, 0))) for name, v in top.items()}
+        tensors[contract.PROMPT_TOKEN_IDS.name] = np.array([chunk.prompt_ids], dtype=np.int32)
+        tensors[contract.PROMPT_LOG_PROBS.name] = np.array([chosen], dtype=np.float32)
+        if k:
+            values, ids = (
+                np.pad(v, ((0, 0), (1, 0), (0, 0))) for v in _top_tensors(chunk.prompt_log_probs, k)
+            )
+            tensors[contract.PROMPT_TOP_LOG_PROBS.name] = values
+            tensors[contract.PROMPT_TOP_TOKEN_IDS.name] = ids
     return tensors
 
 
-def _top_tensors(prefix: str, positions, k: int) -> dict[str, np.ndarray]:
-    """``{prefix}_log_probs`` and ``{prefix}_token_ids``, each ``[1, positions, k]``."""
+def _top_tensors(positions, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The alternatives' log probabilities and token ids, each ``[1, positions, k]``."""
     values = np.array([p.top_values for p in positions], dtype=np.float32).reshape(1, -1, k)
     ids = np.array([p.top_ids for p in positions], dtype=np.int32).reshape(1, -1, k)
-    return {f"{prefix}_log_probs": values, f"{prefix}_token_ids": ids}
+    return values, ids

@@ -18,7 +18,8 @@ class TritonPythonModel:
 
     def execute(self, requests):
         # The dynamic batcher may hand over several requests: one forward for all of them.
-        texts = [pb_utils.get_input_tensor_by_name(r, "text").as_numpy() for r in requests]
+        name = contract.EMBEDDINGS_TEXT.name
+        texts = [pb_utils.get_input_tensor_by_name(r, name).as_numpy() for r in requests]
         return [self._response(answer) for answer in embed_requests(self.encoder, texts)]
 
     def _response(self, answer):

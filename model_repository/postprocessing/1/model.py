@@ -3,7 +3,7 @@
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tritonllm import tokenization
+from tritonllm import contract, tokenization
 from tritonllm.detokenize import StreamDetokenizers
 from tritonllm.model_args import ModelArgs
 from tritonllm.postprocess import postprocess
@@ -22,11 +22,15 @@ class TritonPythonModel:
             text = postprocess(
                 self.tokenizer,
                 self.streams,
-                pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy(),
-                pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy(),
+                pb_utils.get_input_tensor_by_name(
+                    request, contract.POST_TOKENS_BATCH.name
+                ).as_numpy(),
+                pb_utils.get_input_tensor_by_name(
+                    request, contract.POST_SEQUENCE_LENGTH.name
+                ).as_numpy(),
                 request_id=request.request_id(),
                 skip_special_tokens=self.skip_special_tokens,
             )
-            output = pb_utils.Tensor("OUTPUT", text.astype(np.object_))
+            output = pb_utils.Tensor(contract.POST_OUTPUT.name, text.astype(np.object_))
             responses.append(pb_utils.InferenceResponse(output_tensors=[output]))
         return responses
