@@ -163,10 +163,11 @@ redis:
 
 # The whole stack against its baselines on the ~30M bench model, side by side:
 # Serve + transformers pipeline, Triton alone, this stack, and with
-# BENCH_ARGS="--systems triton,stack,rayllm" Ray Serve LLM + vLLM (docs/benchmarks.md).
-# build/bench/results.json, serving.png and a table; BENCH_ARGS=--help for the options.
-# The vLLM environment only when rayllm is among the systems.
-bench: venv-dev $(if $(findstring rayllm,$(BENCH_ARGS)),vllm-env)
+# BENCH_ARGS="--systems triton,stack,rayllm" Ray Serve LLM + vLLM, and with
+# "--systems rayllm,stack-vllm" this stack's front door over the same vLLM beside it
+# (docs/benchmarks.md). build/bench/results.json, serving.png and a table;
+# BENCH_ARGS=--help for the options. The vLLM environment only when a vLLM system runs.
+bench: venv-dev $(if $(or $(findstring rayllm,$(BENCH_ARGS)),$(findstring stack-vllm,$(BENCH_ARGS))),vllm-env)
 	$(PY) -m bench.serving --vllm-python $(VLLM_PY) $(BENCH_ARGS)
 
 # The serving path's CPU per token at GPU token rates: Triton alone and the stack over

@@ -6,10 +6,11 @@ process's user + system time from ``/proc`` before and after (Linux only; elsewh
 the figures are simply absent) and sums the difference by role: the engine (the
 ``tensorrt_llm`` model's Python stub), pre/postprocessing stubs, Triton's core, Serve's
 HTTP proxy (or HAProxy), the ingress replica, the Triton replica, the pipeline
-baseline, Ray Serve LLM's replicas and vLLM's engine core, and the rest of Ray.
-Processes below the Triton that runs alone, (b), are kept apart under a ``triton:``
-prefix, and those of Ray Serve LLM's own Ray instance, (d), under ``rayllm:``, so each
-system's figures are its own.
+baseline, the vLLM replicas (Ray Serve LLM's ``LLMServer``, or the stack's subclass of
+it) and vLLM's engine core, and the rest of Ray. Processes below the Triton that runs
+alone, (b), are kept apart under a ``triton:`` prefix, those of Ray Serve LLM's own Ray
+instance, (d), under ``rayllm:``, and those of the stack over vLLM, (e), under
+``stack-vllm:``, so each system's figures are its own.
 
 psutil would give the same numbers; it is not a dependency of this project, and the
 two ``/proc`` fields it would read are all this needs.
@@ -39,12 +40,13 @@ ROLES = (
     ("VLLM::Worker", "vllm worker"),
     ("ServeReplica:rayllm:OpenAiIngress", "ingress replica"),
     ("ServeReplica:rayllm:", "llm server replica"),
+    ("ServeReplica:llm:vLLM-", "llm server replica"),  # the stack's, serve.config's name
     ("ray", "ray (other)"),
 )
 FRONT_DOOR = ("serve proxy", "ingress replica", "triton replica")
-# Ray Serve LLM's: its LLMServer replica holds vLLM's detokenizer, which the stack has
-# in Triton's postprocessing (outside its front door), so this front door does more.
-RAYLLM_FRONT_DOOR = ("serve proxy", "ingress replica", "llm server replica")
+# Over vLLM, Ray Serve LLM's or the stack's: the LLMServer replica holds vLLM's
+# AsyncLLM (tokenizer, detokenizer, its output objects), so this front door does more.
+VLLM_FRONT_DOOR = ("serve proxy", "ingress replica", "llm server replica")
 # Every process a streamed token crosses, from the engine to the client's socket.
 SERVING_PATH = ("engine", "pre/postprocessing", "triton core", *FRONT_DOOR)
 LOAD_GENERATOR = "load generator"
@@ -130,7 +132,7 @@ def front_door_ms_per_token(
     spent: dict[str, float], tokens: int, roles=FRONT_DOOR, prefix: str = ""
 ) -> float | None:
     """A front door's CPU per output token: by default the stack's outside Triton
-    (proxy, ingress, Triton replica); ``RAYLLM_FRONT_DOOR`` with ``prefix="rayllm:"``
+    (proxy, ingress, Triton replica); ``VLLM_FRONT_DOOR`` with ``prefix="rayllm:"``
     for Ray Serve LLM's."""
     keys = [prefix + role for role in roles]
     if not tokens or not any(key in spent for key in keys):

@@ -13,17 +13,22 @@ built one), one seeded prompt set, exactly ``--output-len`` greedy tokens per re
     replica;
 (d) ``rayllm``: Ray Serve LLM's own OpenAI app (``ray.serve.llm:build_openai_app``)
     serving vLLM on the same checkpoint, as its users deploy it: ``serve run`` of the
-    vLLM environment (``make vllm-env``), with serve/config.vllm.yaml's CPU settings.
+    vLLM environment (``make vllm-env``), with serve/config.vllm.yaml's CPU settings;
+(e) ``stack-vllm``: this stack's front door (Serve's proxy, the OpenAI ingress) over an
+    ``engine: vllm`` model, serve/config.vllm.yaml's vLLM model alone: the same
+    checkpoint, vLLM, ``LLMConfig`` and Serve limits as (d), so (e) against (d) compares
+    the serving layers alone.
 
 (a) and (c) run as two applications of one ``serve run`` (its own local Ray instance:
 ``--address local`` never joins another Ray on the machine), (b) as its own
-``tritonserver``, (d) as a second ``serve run`` with a Ray instance of its own (vLLM
-cannot share the project's environment). All stay up for the whole sweep and the
-levels interleave (for each concurrency: b, c, d, a), so each ratio compares figures
-taken minutes apart on a shared, noisy machine (the cost: while (b) runs, the idle Ray
-instances take their background share of the CPU). ``--serve-mode throughput`` starts
-``serve run`` in Ray's high-throughput mode instead of Ray Serve's defaults. Writes
-``results.json`` and ``serving.png`` under ``--out`` and prints the table last.
+``tritonserver``, (d) and (e) each as a ``serve run`` with a Ray instance of its own
+((d): vLLM cannot share the project's environment; (e): its CPU is then counted apart).
+All stay up for the whole sweep and the levels interleave (for each concurrency: b, c,
+d, e, a), so each ratio compares figures taken minutes apart on a shared, noisy machine
+(the cost: while (b) runs, the idle Ray instances take their background share of the
+CPU). ``--serve-mode throughput`` starts the stack's ``serve run`` in Ray's
+high-throughput mode instead of Ray Serve's defaults. Writes ``results.json`` and
+``serving.png`` under ``--out`` and prints the table last.
 """
 
 from __future__ import annotations
@@ -54,11 +59,19 @@ from serve.triton.launcher import TritonProcess
 
 console = Console(soft_wrap=True, width=150)
 MODEL = "tritonllm-default"
-ORDER = ("triton", "stack", "rayllm", "pipeline")  # within a level: (b), (c), (d) together
+# Within a level: (b) and (c) together, (d) and (e) together.
+ORDER = ("triton", "stack", "rayllm", "stack-vllm", "pipeline")
 RAYLLM_MODEL = "rayllm-default"
 RAYLLM_APP = "rayllm"  # bench/cpu.py tells its replicas by this app name
+STACK_VLLM_MODEL = "vllm-default"  # serve/config.vllm.yaml's
 # Whose processes each system's CPU roles carry a prefix for (bench/cpu.py).
-CPU_PREFIX = {"triton": "triton:", "rayllm": "rayllm:"}
+CPU_PREFIX = {"triton": "triton:", "rayllm": "rayllm:", "stack-vllm": "stack-vllm:"}
+# Each system's front door: its roles (bench/cpu.py) under its prefix.
+FRONT_DOORS = {
+    "stack": cpu.FRONT_DOOR,
+    "rayllm": cpu.VLLM_FRONT_DOOR,
+    "stack-vllm": cpu.VLLM_FRONT_DOOR,
+}
 RAY_WORKER_NICENESS = 15  # Ray's worker_niceness default (RAY_worker_niceness overrides it)
 
 
@@ -142,6 +155,26 @@ def rayllm_config(checkpoint: Path, port: int, gpus_per_replica: float = 0) -> d
             }
         ],
     }
+
+
+def stack_vllm_config(
+    checkpoint: Path, port: int, python: Path, gpus_per_replica: float = 0
+) -> dict:
+    """This stack over vLLM, (e): serve/config.vllm.yaml's app with its vLLM model alone,
+    over ``checkpoint``, the vLLM replica on ``python``. Its ``LLMConfig`` is the one
+    :func:`rayllm_config` gives Ray Serve LLM (one source), so the two differ in their
+    serving layers only."""
+    config = yaml.safe_load((ROOT / "serve" / "config.vllm.yaml").read_text())
+    config["http_options"]["port"] = port
+    args = config["applications"][0]["args"]
+    model = next(m for m in args["models"] if m.get("engine") == "vllm")
+    args["models"] = [model]
+    rayllm = rayllm_config(checkpoint, port, gpus_per_replica)["applications"][0]
+    llm_config = dict(rayllm["args"]["llm_configs"][0])
+    del llm_config["model_loading_config"], llm_config["deployment_config"]
+    model["vllm"] |= {"checkpoint": str(checkpoint), "python": str(python)}
+    model["vllm"]["llm_config"] = llm_config
+    return config
 
 
 @contextmanager
@@ -272,13 +305,9 @@ async def sweep(
                 apart=apart,
             )  # fmt: skip
             tokens = round(result["output_tokens_per_s"] * result["seconds"])
-            if name == "stack":
+            if name in FRONT_DOORS:
                 result["front_door_cpu_ms_per_token"] = cpu.front_door_ms_per_token(
-                    result["cpu_s"], tokens
-                )
-            elif name == "rayllm":
-                result["front_door_cpu_ms_per_token"] = cpu.front_door_ms_per_token(
-                    result["cpu_s"], tokens, cpu.RAYLLM_FRONT_DOOR, CPU_PREFIX["rayllm"]
+                    result["cpu_s"], tokens, FRONT_DOORS[name], CPU_PREFIX.get(name, "")
                 )
             result["cpu_ms_per_token"] = cpu.own_ms_per_token(
                 result["cpu_s"], tokens, CPU_PREFIX.get(name, "")
@@ -319,7 +348,7 @@ async def measured_level(
 def log_level(result: dict) -> None:
     front_door = result.get("front_door_cpu_ms_per_token")
     console.log(
-        f"{result['system']:>8} c={result['concurrency']:<3} "
+        f"{result['system']:>10} c={result['concurrency']:<3} "
         f"{result['output_tokens_per_s']:7.1f} tok/s  "
         f"TTFT p50 {result['ttft_p50_ms']:7.0f} ms  errors {result['errors']}  "
         f"503 {result['rejected_503']}"
@@ -364,7 +393,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--systems",
         default="pipeline,triton,stack",
-        help="any of pipeline, triton, stack, rayllm (Ray Serve LLM + vLLM: make vllm-env)",
+        help="any of pipeline, triton, stack, rayllm (Ray Serve LLM + vLLM), stack-vllm "
+        "(this stack over vLLM); the last two need make vllm-env",
     )
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=8, help="at least this many per level")
@@ -415,7 +445,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--vllm-python",
         type=Path,
         default=ROOT / ".venv-vllm" / "bin" / "python",
-        help="the vLLM environment's Python, whose serve runs rayllm (make vllm-env)",
+        help="the vLLM environment's Python: its serve runs rayllm, stack-vllm's vLLM "
+        "replica runs on it (make vllm-env)",
     )
     p.add_argument("--out", type=Path, default=ROOT / "build" / "bench")
     return p.parse_args(argv)
@@ -430,13 +461,12 @@ def start_systems(
     from serve.triton.launcher import free_port
 
     targets, triton_pid, apart = {}, None, {}
+    checkpoint = args.checkpoint or checkpoint_dir(repository)
+    python = args.vllm_python if args.vllm_python.is_absolute() else ROOT / args.vllm_python
+    if systems & {"rayllm", "stack-vllm"} and not python.exists():
+        raise SystemExit(f"no vLLM environment at {python}: run `make vllm-env`")
     if "rayllm" in systems:  # first: vLLM's start is the slowest, and fails fastest
-        python = args.vllm_python if args.vllm_python.is_absolute() else ROOT / args.vllm_python
-        if not python.exists():
-            raise SystemExit(f"rayllm: no vLLM environment at {python}: run `make vllm-env`")
-        config = rayllm_config(
-            args.checkpoint or checkpoint_dir(repository), free_port(), args.gpus_per_replica
-        )
+        config = rayllm_config(checkpoint, free_port(), args.gpus_per_replica)
         pids = []
         # Serve's default mode, as Ray Serve LLM's quickstart deploys it. Ray documents a
         # high-throughput mode for Ray Serve LLM too (HAProxy, RAY_SERVE_THROUGHPUT_OPTIMIZED,
@@ -454,6 +484,21 @@ def start_systems(
         )
         targets["rayllm"] = OpenAITarget("rayllm", url, RAYLLM_MODEL)
         apart[RAYLLM_APP] = pids[0]
+    if "stack-vllm" in systems:
+        config = stack_vllm_config(checkpoint, free_port(), python, args.gpus_per_replica)
+        pids = []
+        url = stack.enter_context(
+            serve_run(
+                config,
+                args.out,
+                args.serve_mode,
+                ready_paths=("/v1/models",),
+                name="stack-vllm",
+                pids=pids,
+            )  # fmt: skip
+        )
+        targets["stack-vllm"] = OpenAITarget("stack-vllm", url, STACK_VLLM_MODEL)
+        apart["stack-vllm"] = pids[0]
     if systems & {"pipeline", "stack"}:
         config = serve_config(
             repository,

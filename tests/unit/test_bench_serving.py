@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from bench import report
+from bench import cpu, report
 from bench.loadgen import RequestRecord, _read_events, _refused, summarize
 from bench.serving import level_plan, serve_config
 from serve.config import AppConfig
@@ -101,23 +101,25 @@ def level(system, c, tokens_per_s, ttft, errors=0):
 
 def test_targets_read_the_ratios_at_each_concurrency():
     results = [
+        level("triton", 1, 40, 100),
+        level("stack", 1, 40, 104),
         level("pipeline", 16, 50, 9000),
         level("triton", 16, 300, 400),
-        level("stack", 16, 280, 410),
+        level("stack", 16, 290, 410),
         level("triton", 64, 300, 900),
-        level("stack", 64, 200, 990, errors=1),
+        level("stack", 64, 280, 990, errors=1),
     ]
     rows = {r["concurrency"]: r for r in report.ratios(results)}
-    assert rows[16]["stack_over_pipeline"] == pytest.approx(5.6)
-    assert rows[16]["stack_over_triton"] == pytest.approx(280 / 300)
+    assert rows[16]["stack_over_pipeline"] == pytest.approx(5.8)
+    assert rows[16]["stack_over_triton"] == pytest.approx(290 / 300)
     assert rows[64]["ttft_p50_added_ms"] == pytest.approx(90)
     verdicts = {t["name"]: t["pass"] for t in report.check_targets(results)}
     assert verdicts == {
+        "front door cost, tokens/s at c=1": True,  # 0%
+        "front door TTFT p50 added at c=1": False,  # +4 ms
         "(c)/(a) tokens/s at c=16": True,
-        "front door cost, tokens/s at c=16": True,  # 6.7%
-        "front door TTFT p50 added at c=16": True,  # +10 ms
-        "front door cost, tokens/s at c=64": False,  # 33%
-        "front door TTFT p50 added at c=64": False,  # +90 ms
+        "front door cost, tokens/s at c=16": True,  # 3.3%
+        "front door cost, tokens/s at c=64": False,  # 6.7%
         "(c) errors up to c=64": False,
     }
 
@@ -151,7 +153,6 @@ def test_throughput_mode_turns_on_rays_high_throughput_serving_in_a_private_dir(
 
 
 def test_cpu_by_role_keeps_triton_alone_apart_and_counts_new_processes_from_zero():
-    from bench import cpu
 
     engine = "triton_python_backend_stub /r/tensorrt_llm/1/model.py"
     post = "triton_python_backend_stub /r/postprocessing/1/model.py"
@@ -194,7 +195,6 @@ def test_cpu_by_role_keeps_triton_alone_apart_and_counts_new_processes_from_zero
 
 
 def test_cpu_snapshot_reads_this_process():
-    from bench import cpu
 
     first = cpu.snapshot()[os.getpid()]
     deadline = time.process_time() + 0.3
@@ -238,7 +238,6 @@ def test_rayllm_is_ray_serve_llms_own_app_with_the_shipped_cpu_settings(tmp_path
 
 
 def test_cpu_by_role_keeps_ray_serve_llms_instance_apart_by_role():
-    from bench import cpu
 
     # pid: (parent pid, CPU seconds, command line, start time); 50: rayllm's serve run
     before = {
@@ -270,7 +269,7 @@ def test_cpu_by_role_keeps_ray_serve_llms_instance_apart_by_role():
     }
     # proxy 1.5 + ingress 2.0 + LLMServer 3.0 over 1,000 tokens; the stack's apart
     assert cpu.front_door_ms_per_token(
-        spent, 1000, cpu.RAYLLM_FRONT_DOOR, "rayllm:"
+        spent, 1000, cpu.VLLM_FRONT_DOOR, "rayllm:"
     ) == pytest.approx(6.5)
     assert cpu.front_door_ms_per_token(spent, 1000) == pytest.approx(1.0)
     assert cpu.own_ms_per_token(spent, 1000, "rayllm:") == {
@@ -308,3 +307,60 @@ def test_the_cpu_table_shows_each_systems_own_roles_side_by_side():
     assert lines[0] == "| CPU ms/token | stack c=1 | rayllm c=1 |"
     assert "| engine | 8.00 |  |" in lines and "| vllm engine core |  | 9.00 |" in lines
     assert lines[-1] == "| **total** | **9.50** | **9.00** |"
+
+
+def test_ratios_put_the_stack_over_vllm_against_ray_serve_llm_alone():
+    results = [
+        level("rayllm", 1, 30, 120),
+        level("stack-vllm", 1, 31, 110),
+        level("rayllm", 64, 200, 5000),
+        level("stack-vllm", 64, 210, 4000),
+    ]
+    rows = {r["concurrency"]: r for r in report.ratios(results)}
+    assert rows[64]["stack_vllm_over_rayllm"] == pytest.approx(1.05)
+    assert rows[1]["ttft_p50_stack_vllm_vs_rayllm_ms"] == pytest.approx(-10)
+    assert "stack_over_rayllm" not in rows[64]  # no (c) level: nothing of (c)'s
+    verdicts = {t["name"]: t["pass"] for t in report.check_targets(results)}
+    assert verdicts == {
+        "(e) TTFT p50 less (d)'s at c=1": True,
+        "(e)/(d) tokens/s at c=64": False,  # 1.05x, under 1.1x
+        "(e) errors up to c=64": True,
+    }
+
+
+def test_the_stack_over_vllm_serves_ray_serve_llms_own_llm_config(tmp_path):
+    from bench.serving import rayllm_config, stack_vllm_config
+
+    python = tmp_path / "venv" / "bin" / "python"
+    config = stack_vllm_config(tmp_path / "hf_model", 8127, python)
+    assert config["http_options"]["port"] == 8127
+    args = AppConfig.model_validate(config["applications"][0]["args"])  # a valid app config
+    (model,) = args.models
+    assert model.engine == "vllm" and model.id == "vllm-default"
+    assert model.vllm.python_path() == python
+    rayllm = rayllm_config(tmp_path / "hf_model", 8128)["applications"][0]["args"]
+    (theirs,) = rayllm["llm_configs"]
+    assert theirs["model_loading_config"]["model_source"] == str(model.vllm.checkpoint)
+    # The same engine and Serve limits: only the serving layer differs.
+    ours = config["applications"][0]["args"]["models"][0]
+    assert ours["vllm"]["llm_config"] == {
+        k: v for k, v in theirs.items() if k not in ("model_loading_config", "deployment_config")
+    }
+    assert ours["deployment"] == theirs["deployment_config"]
+
+
+def test_the_stack_over_vllm_is_counted_apart_with_its_llm_server_in_its_front_door():
+    before = {}
+    after = {
+        60: (1, 1.0, "/v/bin/python /v/bin/serve run --address local stack-vllm.yaml", 7),
+        61: (60, 1.0, "ray::ServeReplica:llm:OpenAIIngress", 7),
+        62: (60, 2.0, "ray::ServeReplica:llm:vLLM-vllm-default", 7),
+        63: (62, 9.0, "VLLM::EngineCore", 7),
+        64: (1, 4.0, "ray::ServeReplica:llm:Triton-tritonllm-default", 7),  # (c)'s
+    }
+    spent = cpu.by_role(before, after, apart={"stack-vllm": 60})
+    assert spent["stack-vllm:llm server replica"] == 2.0
+    assert spent["stack-vllm:vllm engine core"] == 9.0
+    assert spent["triton replica"] == 4.0
+    front_door = cpu.front_door_ms_per_token(spent, 1000, cpu.VLLM_FRONT_DOOR, "stack-vllm:")
+    assert front_door == pytest.approx(3.0)  # its ingress and LLMServer replica
