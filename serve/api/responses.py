@@ -1,99 +1,426 @@
-"""OpenAI's response shapes (completions, chat, their stream chunks, usage) and SSE framing."""
+"""OpenAI's response shapes as pydantic models: completions and chat (whole answers and
+stream chunks), their logprobs and usage, /v1/models' cards, the embeddings list; the
+two endpoints that build them (:data:`CHAT`, :data:`COMPLETIONS`); SSE framing.
+
+Every model goes on the wire through :func:`sse` or :func:`json_response`, dumped with
+``exclude_unset``. That gives one rule for the keys clients expect: a field without a
+default is always sent (``null`` when it is None, as every choice's ``logprobs`` and
+``finish_reason`` are), a field with a default only when given (a chunk's ``usage``, a
+delta's ``content`` and ``tool_calls``, an adapter card's ``parent``).
+
+The models are built from this server's own values, one chunk per streamed token:
+pydantic's validation (in Rust) costs less than ``model_construct`` (in Python), and
+nested parts are given as dicts where that saves building a model per token.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+import time
+import uuid
 from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi.responses import Response
+from pydantic import BaseModel
 
 from serve.api.errors import APIError
 from serve.generation import GenerationChunk
 
-
-def sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+# -- tool calls (serve/api/tool_parsers.py writes them as dicts of these shapes) ------------
 
 
-def completion_choice(
-    index: int, text: str, finish_reason: str | None, _stream: bool, logprobs: dict | None = None
-) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
 
 
-def chat_choice(
-    index: int,
-    text: str,
-    finish_reason: str | None,
-    streaming: bool,
-    logprobs: dict | None = None,
-    tool_calls: list[dict] | None = None,
-) -> dict:
-    """A chat choice (``message``) or stream chunk choice (``delta``); with tool calls,
-    the message's content is null where the model wrote only calls, as OpenAI's is."""
-    if streaming:
-        body = {"content": text} if text else {}
-        body |= {"tool_calls": tool_calls} if tool_calls else {}
-    else:
-        content = None if tool_calls and not text.strip() else text
-        body = {"role": "assistant", "content": content}
-        body |= {"tool_calls": tool_calls} if tool_calls else {}
-    return {
-        "index": index,
-        "delta" if streaming else "message": body,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
 
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # a call's first fragment only
+    arguments: str
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed call's fragment: the first names the call (id, type, name), the
+    others carry pieces of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+# -- logprobs and usage ----------------------------------------------------------------
+
+
+class TokenLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token's UTF-8 bytes (a token may hold part of a character)
+
+
+class ChatTokenLogProb(TokenLogProb):
+    top_logprobs: list[TokenLogProb]  # empty when none were asked for
+
+
+class ChatLogProbs(BaseModel):
+    content: list[ChatTokenLogProb]
+    refusal: str | None
+
+
+class CompletionLogProbs(BaseModel):
+    """Token by token; a prompt's first token (echo) has no log probability: None."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]  # each token's offset in the choice's text
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # read from the engine's prefix cache
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, lasts: list[GenerationChunk]) -> Usage:
+        """The count of the answers whose latest chunks (running totals) are ``lasts``."""
+        prompt = sum(last.num_input_tokens for last in lasts)
+        completion = sum(last.num_output_tokens for last in lasts)
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details={"cached_tokens": sum(last.num_cached_tokens for last in lasts)},
+        )
+
+
+# -- completions -----------------------------------------------------------------------
+
+
+class CompletionChoice(BaseModel):
+    """A whole answer's choice and a stream chunk's alike."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None
+    finish_reason: str | None
+
+
+class _Head(BaseModel):
+    """What every response and stream chunk of one request shares (see ``Endpoint.head``)."""
+
+    id: str
+    created: int
+    model: str
+
+
+class Completion(_Head):
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(_Head):
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
+    usage: Usage | None = None  # with stream_options.include_usage: the last chunk's
+
+
+# -- chat ------------------------------------------------------------------------------
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None  # None where the model wrote only calls, as OpenAI's is
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogProbs | None
+    finish_reason: str | None
+
+
+class ChatDelta(BaseModel):
+    """What a chunk adds to the message: a choice's first chunk holds the role and empty
+    content, the others what is new (no ``content`` key when no text is)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogProbs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(_Head):
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatCompletionChunk(_Head):
+    object: Literal["chat.completion.chunk"]
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # with stream_options.include_usage: the last chunk's
+
+
+# -- models and embeddings -------------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    # A LoRA adapter's base model (as vLLM lists adapters); absent for a model.
+    parent: str | None = None
+    root: str | None = None
+
+    @classmethod
+    def of(cls, model_id: str, parent: str | None = None) -> ModelCard:
+        base = {"parent": parent, "root": parent} if parent is not None else {}
+        return cls(id=model_id, object="model", created=0, owned_by="triton", **base)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+# -- the endpoints ---------------------------------------------------------------------
 
 # A position's alternatives as token texts: [(text, log probability)], most likely first.
 Alternatives = list[tuple[str, float]]
 
 
-def _entry(token: str, log_prob: float) -> dict:
+class Endpoint:
+    """One endpoint's answers (chat or completions): its ids, objects and choices; the
+    routes hold one (:data:`CHAT`, :data:`COMPLETIONS`) and never ask which it is."""
+
+    id_prefix: str
+
+    def head(self, model: str) -> dict[str, Any]:
+        """The id, creation time and model every response and chunk of a request share."""
+        return {
+            "id": f"{self.id_prefix}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs=None) -> BaseModel:
+        """A whole answer's choice."""
+        raise NotImplementedError
+
+    def chunk_choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs=None
+    ) -> BaseModel:
+        """A stream chunk's choice: what is new since the last."""
+        raise NotImplementedError
+
+    def openings(self, count: int) -> list[BaseModel]:
+        """The choices of the chunks a stream opens with, before any text."""
+        raise NotImplementedError
+
+    def logprobs(self, tokens: list[str], log_probs, alternatives, offset: int) -> BaseModel:
+        """``logprobs`` of ``tokens``; the first starts at ``offset`` in the choice's text."""
+        raise NotImplementedError
+
+    def answer(self, head: dict[str, Any], choices: list, usage: Usage) -> BaseModel:
+        """The whole response."""
+        raise NotImplementedError
+
+    def chunk(self, head: dict[str, Any], choices: list, usage: Usage | None = None) -> BaseModel:
+        """A stream chunk (``usage``: the count so far, where the client asked for it)."""
+        raise NotImplementedError
+
+
+class CompletionsEndpoint(Endpoint):
+    """/v1/completions: ``cmpl-`` ids, ``text_completion`` objects, whole and streamed."""
+
+    id_prefix = "cmpl"
+
+    def choice(self, index, text, finish_reason, logprobs=None) -> CompletionChoice:
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=finish_reason
+        )
+
+    chunk_choice = choice  # a chunk's choice has the same shape
+
+    def openings(self, count: int) -> list[CompletionChoice]:
+        return []
+
+    def logprobs(
+        self, tokens: list[str], log_probs, alternatives: list[Alternatives | None], offset: int
+    ) -> CompletionLogProbs:
+        """Each token with its offset and its ``top_logprobs``: the alternatives and, as
+        vLLM and OpenAI do, the chosen token (so ``logprobs: 0`` lists the chosen token
+        alone); None in both lists for a prompt's first token."""
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
+        tops = [
+            None if top is None else {**dict(top), token: p}
+            for token, p, top in zip(tokens, log_probs, alternatives, strict=True)
+        ]
+        return CompletionLogProbs(
+            tokens=tokens,
+            token_logprobs=log_probs,
+            top_logprobs=tops,
+            text_offset=offsets if tokens else [],
+        )
+
+    def answer(self, head, choices, usage) -> Completion:
+        return Completion(**head, object="text_completion", choices=choices, usage=usage)
+
+    def chunk(self, head, choices, usage=None) -> CompletionChunk:
+        return CompletionChunk(
+            **head, object="text_completion", choices=choices, **_given(usage=usage)
+        )
+
+
+class ChatEndpoint(Endpoint):
+    """/v1/chat/completions: ``chatcmpl-`` ids, ``chat.completion`` answers and
+    ``chat.completion.chunk`` chunks; choices may carry tool calls."""
+
+    id_prefix = "chatcmpl"
+
+    def choice(
+        self, index, text, finish_reason, logprobs=None, tool_calls: list[dict] | None = None
+    ) -> ChatChoice:
+        """With tool calls, content is null where the model wrote only calls."""
+        content = None if tool_calls and not text.strip() else text
+        message = ChatMessage(role="assistant", content=content, **_given(tool_calls=tool_calls))
+        return ChatChoice(
+            index=index, message=message, logprobs=logprobs, finish_reason=finish_reason
+        )
+
+    def chunk_choice(
+        self, index, text, finish_reason, logprobs=None, tool_calls: list[dict] | None = None
+    ) -> ChatChunkChoice:
+        delta = {"content": text} if text else {}  # validated into a ChatDelta
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        return ChatChunkChoice(
+            index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
+        )
+
+    def openings(self, count: int) -> list[ChatChunkChoice]:
+        """Every choice opens with the role, as OpenAI's streams do."""
+        role = ChatDelta(role="assistant", content="")
+        return [
+            ChatChunkChoice(index=i, delta=role, logprobs=None, finish_reason=None)
+            for i in range(count)
+        ]
+
+    def logprobs(
+        self, tokens: list[str], log_probs, alternatives: list[Alternatives], _offset: int = 0
+    ) -> ChatLogProbs:
+        """Each chosen token with its ``top_logprobs``."""
+        content = [
+            {**_token(t, p), "top_logprobs": [_token(a, q) for a, q in top]}
+            for t, p, top in zip(tokens, log_probs, alternatives, strict=True)
+        ]
+        return ChatLogProbs(content=content, refusal=None)
+
+    def answer(self, head, choices, usage) -> ChatCompletion:
+        return ChatCompletion(**head, object="chat.completion", choices=choices, usage=usage)
+
+    def chunk(self, head, choices, usage=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            **head, object="chat.completion.chunk", choices=choices, **_given(usage=usage)
+        )
+
+
+def _given(**fields) -> dict[str, Any]:
+    """The fields that have something to say: OpenAI leaves out the empty ones."""
+    return {name: value for name, value in fields.items() if value}
+
+
+def _token(token: str, log_prob: float) -> dict:
     return {"token": token, "logprob": log_prob, "bytes": list(token.encode())}
 
 
-def chat_logprobs(tokens: list[str], log_probs, alternatives: list[Alternatives]) -> dict:
-    """Chat's ``logprobs``: each chosen token with its ``top_logprobs`` (empty lists when
-    none were asked for)."""
-    alternatives = alternatives or [[] for _ in tokens]
-    content = [
-        {**_entry(t, p), "top_logprobs": [_entry(a, q) for a, q in top]}
-        for t, p, top in zip(tokens, log_probs, alternatives, strict=True)
-    ]
-    return {"content": content, "refusal": None}
+CHAT = ChatEndpoint()
+COMPLETIONS = CompletionsEndpoint()
 
 
-def completion_logprobs(
-    tokens: list[str], log_probs, alternatives: list[Alternatives | None], offset: int
-) -> dict:
-    """Completions' ``logprobs``: each token with its offset in the choice's text, which
-    starts at ``offset``, and its ``top_logprobs``: the alternatives and, as vLLM and
-    OpenAI do, the chosen token (so ``logprobs: 0`` lists the chosen token alone). A
-    prompt's first token has no log probability: None in both lists."""
-    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
-    tops = [
-        None if top is None else {**dict(top), token: p}
-        for token, p, top in zip(tokens, log_probs, alternatives, strict=True)
-    ]
-    return {
-        "tokens": tokens,
-        "token_logprobs": list(log_probs),
-        "top_logprobs": tops,
-        "text_offset": offsets if tokens else [],
-    }
+# -- the wire --------------------------------------------------------------------------
 
 
-def usage(lasts: list[GenerationChunk]) -> dict:
-    prompt = sum(last.num_input_tokens for last in lasts)
-    completion = sum(last.num_output_tokens for last in lasts)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(last.num_cached_tokens for last in lasts)},
-    }
+# SSE ends a line at \n or \r only, but clients that read a stream with str.splitlines
+# (httpx's aiter_lines among them) also end one at U+0085, U+2028 and U+2029, which JSON
+# leaves raw: a model's text holding one would cut its event in two there. Escaped, as
+# json.dumps' ensure_ascii did; the other splitlines breaks are controls JSON escapes.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def one_line(json_text: str) -> str:
+    """``json_text`` with nothing any line reader takes for a line's end."""
+    return json_text if json_text.isascii() else json_text.translate(_LINE_BREAKS)
+
+
+def sse(event: BaseModel | dict | str) -> str:
+    """An SSE event of a model (unset fields left out), an error body, or ``[DONE]``."""
+    if isinstance(event, BaseModel):
+        return f"data: {one_line(event.model_dump_json(exclude_unset=True))}\n\n"
+    return f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n"
+
+
+class ChunkEvents:
+    """The SSE events of one stream's chunks. Every chunk of a stream has the same id,
+    time, model and object: they are serialized once, and each event serializes only its
+    choices and usage: a token's event costs about 40% less than dumping the whole chunk
+    model, whose bytes it repeats (tests/unit/test_openai_wire.py checks that)."""
+
+    def __init__(self, endpoint: Endpoint, head: dict[str, Any]):
+        empty = sse(endpoint.chunk(head, []))  # 'data: {"id":...,"choices":[]}\n\n'
+        self._opening = empty.removesuffix("]}\n\n")
+
+    def __call__(self, choices: list[BaseModel], usage: Usage | None = None) -> str:
+        shaped = ",".join([choice.model_dump_json(exclude_unset=True) for choice in choices])
+        counted = "" if usage is None else f',"usage":{usage.model_dump_json(exclude_unset=True)}'
+        return f"{self._opening}{one_line(shaped)}]{counted}}}\n\n"
+
+
+def json_response(model: BaseModel) -> Response:
+    """A whole answer, unset fields left out (see the module's docstring)."""
+    return Response(model.model_dump_json(exclude_unset=True), media_type="application/json")
 
 
 async def merge(starts) -> AsyncIterator[tuple[int, GenerationChunk]]:

@@ -13,12 +13,10 @@ import base64
 import dataclasses
 import functools
 import logging
-import time
-import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from serve.api.auth import require_api_key
 from serve.api.backend import Backend
@@ -33,13 +31,22 @@ from serve.api.prepare import (
     target,
 )
 from serve.api.responses import (
-    chat_choice,
-    chat_logprobs,
-    completion_choice,
-    completion_logprobs,
+    CHAT,
+    COMPLETIONS,
+    ChatChunkChoice,
+    ChatLogProbs,
+    ChunkEvents,
+    CompletionLogProbs,
+    Embedding,
+    EmbeddingList,
+    EmbeddingUsage,
+    Endpoint,
+    ModelCard,
+    ModelList,
+    Usage,
+    json_response,
     merge,
     sse,
-    usage,
 )
 from serve.api.schemas import (
     ChatCompletionRequest,
@@ -58,37 +65,30 @@ log = logging.getLogger("ray.serve")
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-def _card(model_id: str, parent: str | None = None) -> dict:
-    card = {"id": model_id, "object": "model", "created": 0, "owned_by": "triton"}
-    if parent is not None:  # a LoRA adapter: its base model (as vLLM lists adapters)
-        card |= {"parent": parent, "root": parent}
-    return card
-
-
-async def _cards(backend: Backend) -> list[dict]:
+async def _cards(backend: Backend) -> list[ModelCard]:
     """Every id clients may send: the models, variants, and the adapters found now."""
     cards = []
     for model in backend.config.models:
-        cards += [_card(i) for i in model.served_ids()]
+        cards += [ModelCard.of(i) for i in model.served_ids()]
         if model.lora:
             found = await backend.adapters(model)
-            cards += [_card(model.adapter_id(name), model.id) for name in found]
+            cards += [ModelCard.of(model.adapter_id(name), model.id) for name in found]
             aliases = model.lora.aliases.items()
-            cards += [_card(alias, model.id) for alias, name in aliases if name in found]
+            cards += [ModelCard.of(alias, model.id) for alias, name in aliases if name in found]
     return cards
 
 
 @router.get("/v1/models")
 async def list_models(backend: BackendDep):
-    return {"object": "list", "data": await _cards(backend)}
+    return json_response(ModelList(object="list", data=await _cards(backend)))
 
 
 @router.get("/v1/models/{model_id}")
 async def retrieve_model(model_id: str, backend: BackendDep):
-    card = next((c for c in await _cards(backend) if c["id"] == model_id), None)
+    card = next((c for c in await _cards(backend) if c.id == model_id), None)
     if card is None:
         raise NotFound(f"model {model_id!r} does not exist", param="model", code="model_not_found")
-    return card
+    return json_response(card)
 
 
 @router.post("/v1/completions")
@@ -102,7 +102,7 @@ async def completions(body: CompletionRequest, request: Request, backend: Backen
     guide = body.output_guide()
     params = choices(request, body, model, variant, prompts, body.max_tokens, guide)
     echoes = [_prompt_text(backend, model, p) if body.echo else "" for p in params]
-    return await _respond(backend, model, body, params, "text_completion", echoes)
+    return await _respond(backend, model, body, params, COMPLETIONS, echoes)
 
 
 def _check_token_ids(backend: Backend, model: ModelConfig, prompts: list[list[int]]) -> None:
@@ -127,9 +127,7 @@ def _prompt_text(backend: Backend, model: ModelConfig, params: GenerateParams) -
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, backend: BackendDep):
     turn = chat_turn(body, request, backend)
-    return await _respond(
-        backend, turn.model, body, turn.params, "chat.completion", syntax=turn.syntax
-    )
+    return await _respond(backend, turn.model, body, turn.params, CHAT, syntax=turn.syntax)
 
 
 @router.post("/v1/embeddings")
@@ -138,15 +136,11 @@ async def embeddings(body: EmbeddingRequest, request: Request, backend: BackendD
     check_prompt_chars(backend, sum(len(t) for t in body.texts), "input")
     result = await backend.embed(model, body.texts)
     data = [
-        {"object": "embedding", "index": i, "embedding": _encode(vector, body.encoding_format)}
+        Embedding(object="embedding", index=i, embedding=_encode(vector, body.encoding_format))
         for i, vector in enumerate(result.vectors)
     ]
-    return {
-        "object": "list",
-        "data": data,
-        "model": model.id,
-        "usage": {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens},
-    }
+    usage = EmbeddingUsage(prompt_tokens=result.num_tokens, total_tokens=result.num_tokens)
+    return json_response(EmbeddingList(object="list", data=data, model=model.id, usage=usage))
 
 
 def _encode(vector, encoding_format: str):
@@ -190,51 +184,47 @@ async def _respond(
     model: ModelConfig,
     body: SamplingFields,
     params: list[GenerateParams],
-    kind: str,
+    endpoint: Endpoint,
     echoes: list[str] | None = None,
     syntax: CallSyntax | None = None,
 ):
-    prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-    served = served_id(model, params[0])
-    base = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": served}
+    head = endpoint.head(served_id(model, params[0]))
     echoes = echoes or [""] * len(params)
-    log_probs = _LogProbs(backend, model, kind, echoes) if params[0].return_log_probs else None
+    log_probs = _LogProbs(backend, model, endpoint, echoes) if params[0].return_log_probs else None
     if not body.stream:
-        return await _whole(backend, model, body, params, kind, echoes, base, log_probs, syntax)
+        return await _whole(backend, model, body, params, endpoint, echoes, head, log_probs, syntax)
     starts = await _start_all(backend, model, params)
     starts = [
         await _shaped(first, rest, p, echo, body.include_stop_str_in_output)
         for (first, rest), p, echo in zip(starts, params, echoes, strict=True)
     ]
-    events = _events(body, starts, kind, base, log_probs, syntax)
+    events = _events(body, starts, endpoint, head, log_probs, syntax)
     return StreamingResponse(events, media_type="text/event-stream")
 
 
 class _LogProbs:
     """Each choice's ``logprobs``, chunk by chunk, in the shape of its endpoint."""
 
-    def __init__(self, backend: Backend, model: ModelConfig, kind: str, echoes: list[str]):
+    def __init__(self, backend: Backend, model: ModelConfig, endpoint: Endpoint, echoes):
         self._token_texts = functools.partial(backend.token_texts, model)
-        self._chat = kind == "chat.completion"
+        self._endpoint = endpoint
         # Completions' text_offset so far: after the echoed prompt, or from 0 when the
         # prompt's tokens are listed too.
         self._offsets = [len(echo) for echo in echoes]
 
-    def __call__(self, index: int, chunk: GenerationChunk) -> dict:
+    def __call__(self, index: int, chunk: GenerationChunk) -> ChatLogProbs | CompletionLogProbs:
         tokens = self._token_texts(chunk.token_ids)
-        alternatives = [self._alternatives(top) for top in chunk.top_log_probs]
-        if self._chat:
-            return chat_logprobs(tokens, chunk.token_log_probs, alternatives)
         log_probs = list(chunk.token_log_probs)
+        alternatives = [self._alternatives(top) for top in chunk.top_log_probs]
         alternatives = alternatives or [[] for _ in tokens]
-        if chunk.prompt is not None:  # echo: the prompt's tokens first
+        if chunk.prompt is not None:  # completions' echo: the prompt's tokens first
             self._offsets[index] = 0
             prompt = chunk.prompt
             tokens = self._token_texts(prompt.token_ids) + tokens
             log_probs = list(prompt.log_probs) + log_probs
             tops = prompt.top_log_probs or [None, *([[]] * (len(prompt.token_ids) - 1))]
             alternatives = [self._alternatives(t) for t in tops] + alternatives
-        shaped = completion_logprobs(tokens, log_probs, alternatives, self._offsets[index])
+        shaped = self._endpoint.logprobs(tokens, log_probs, alternatives, self._offsets[index])
         self._offsets[index] += sum(map(len, tokens))
         return shaped
 
@@ -244,8 +234,7 @@ class _LogProbs:
         return list(zip(self._token_texts(top.token_ids), top.log_probs, strict=True))
 
 
-async def _whole(backend, model, body, params, kind, echoes, base, log_probs, syntax):
-    choice = chat_choice if kind == "chat.completion" else completion_choice
+async def _whole(backend, model, body, params, endpoint, echoes, head, log_probs, syntax):
     results = await _gather(backend.collect(model, p) for p in params)
     choices = []
     for i, (p, (text, last)) in enumerate(zip(params, results, strict=True)):
@@ -255,13 +244,12 @@ async def _whole(backend, model, body, params, kind, echoes, base, log_probs, sy
             finish = "stop" if stopped else finish
         shaped = log_probs and log_probs(i, last)
         if syntax is None:
-            choices.append(choice(i, echoes[i] + text, finish, False, shaped))
+            choices.append(endpoint.choice(i, echoes[i] + text, finish, shaped))
             continue
         content, calls = parse_whole(syntax, text)
         calls = [call.as_message() for call in calls]
-        choices.append(chat_choice(i, content, _finish(finish, calls), False, shaped, calls))
-    answer = {**base, "object": kind, "choices": choices, "usage": usage(_lasts(results))}
-    return JSONResponse(answer)
+        choices.append(CHAT.choice(i, content, _finish(finish, calls), shaped, calls))
+    return json_response(endpoint.answer(head, choices, Usage.of(_lasts(results))))
 
 
 def _finish(reason: str | None, calls) -> str | None:
@@ -269,47 +257,44 @@ def _finish(reason: str | None, calls) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-async def _events(body: SamplingFields, starts, kind: str, base: dict, log_probs, syntax=None):
+async def _events(
+    body: SamplingFields, starts, endpoint: Endpoint, head: dict, log_probs, syntax=None
+):
     """The SSE events of started choices: chunks as they come, the usage chunk, [DONE]."""
-    choice = chat_choice if kind == "chat.completion" else completion_choice
-    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
-
-    def event(choices: list[dict], **extra) -> str:
-        return sse({**base, "object": chunk_kind, "choices": choices, **extra})
+    event = ChunkEvents(endpoint, head)
 
     lasts = [first for first, _ in starts]
     parsers = [ToolCallParser(syntax) for _ in starts] if syntax else None
     failure = None
     try:
-        if chunk_kind == "chat.completion.chunk":
-            role = {"role": "assistant", "content": ""}
-            for index in range(len(starts)):
-                opening = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
-                yield event([opening])
+        for opening in endpoint.openings(len(starts)):
+            yield event([opening])
         async for index, chunk in merge(starts):
             lasts[index] = chunk
             if chunk.text or chunk.finish_reason or (log_probs and chunk.token_ids):
-                extra = {"usage": usage(lasts)} if body.continuous_usage else {}
+                usage = Usage.of(lasts) if body.continuous_usage else None
                 shaped = log_probs and log_probs(index, chunk)
                 if parsers is None:
-                    shaped_choice = choice(index, chunk.text, chunk.finish_reason, True, shaped)
+                    shaped_choice = endpoint.chunk_choice(
+                        index, chunk.text, chunk.finish_reason, shaped
+                    )
                 else:
                     shaped_choice = _call_chunk(parsers[index], index, chunk, shaped)
                 if shaped_choice is not None:
-                    yield event([shaped_choice], **extra)
+                    yield event([shaped_choice], usage)
     except APIError as error:  # mid-stream: an error event, never a cut stream
         failure = error
     except Exception:
-        log.exception("stream %s failed after its first byte", base["id"])
+        log.exception("stream %s failed after its first byte", head["id"])
         failure = InternalError("internal server error; see the server log")
     if body.include_usage:  # what was generated, also when the stream failed
-        yield event([], usage=usage(lasts))
+        yield event([], Usage.of(lasts))
     if failure is not None:
         yield sse(failure.body())
     yield sse("[DONE]")
 
 
-def _call_chunk(parser: ToolCallParser, index: int, chunk, log_probs) -> dict | None:
+def _call_chunk(parser: ToolCallParser, index: int, chunk, log_probs) -> ChatChunkChoice | None:
     """A chat chunk with the content and ``delta.tool_calls`` its text adds (None: the
     text is held back, a call's opening perhaps, and nothing else is new)."""
     delta = parser.feed(chunk.text)
@@ -319,7 +304,7 @@ def _call_chunk(parser: ToolCallParser, index: int, chunk, log_probs) -> dict | 
         finish = _finish(finish, parser.calls)
     if not (delta or finish or log_probs):
         return None
-    return chat_choice(index, delta.content, finish, True, log_probs, delta.tool_call_deltas())
+    return CHAT.chunk_choice(index, delta.content, finish, log_probs, delta.tool_call_deltas())
 
 
 def _lasts(results) -> list:
