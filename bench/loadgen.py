@@ -27,6 +27,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -119,8 +120,21 @@ def _refused(record: RequestRecord, status: int, headers, text: str) -> None:
         record.error = f"HTTP {status}{missing}: {text[:200]}"
 
 
+async def _sse_lines(response) -> AsyncIterator[str]:
+    """The stream's lines as SSE ends them (at \n, \r\n): httpx's ``aiter_lines`` also
+    ends one at U+0085, U+2028 and U+2029, which a model's text may hold raw inside an
+    event's JSON (Ray Serve LLM's does), and the event's half then fails to parse."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending
+
+
 async def _read_events(response, record: RequestRecord) -> None:
-    async for line in response.aiter_lines():
+    async for line in _sse_lines(response):
         if not line.startswith("data: "):
             continue
         payload = line[6:]

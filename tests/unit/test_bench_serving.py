@@ -52,12 +52,14 @@ def test_a_503_is_a_rejection_only_with_retry_after():
 
 
 class FakeResponse:
-    def __init__(self, lines):
-        self._lines = lines
+    """The stream's text as given pieces (``pieces``), or as ``lines`` ended by \n."""
 
-    async def aiter_lines(self):
-        for line in self._lines:
-            yield line
+    def __init__(self, lines=(), pieces=None):
+        self._pieces = pieces if pieces is not None else [line + "\n" for line in lines]
+
+    async def aiter_text(self):
+        for piece in self._pieces:
+            yield piece
 
 
 def read(lines) -> RequestRecord:
@@ -78,6 +80,15 @@ def test_server_sent_events_count_text_chunks_and_usage():
         ]
     )
     assert len(r.arrivals) == 2 and r.tokens == 3 and r.error is None
+
+
+def test_events_are_split_where_sse_ends_lines_only():
+    # A model's text may hold U+2028 raw (Ray Serve LLM's JSON does): str.splitlines,
+    # which httpx's aiter_lines follows, would cut the event there.
+    pieces = ['data: {"choices": [{"index": 0, "text": "a\u2028', 'b"}]}\r\n\r\ndata: [DO', "NE]\n"]
+    r = RequestRecord(sent=0.0)
+    asyncio.run(_read_events(FakeResponse(pieces=pieces), r))
+    assert r.error is None and r.text == "a\u2028b" and len(r.arrivals) == 1
 
 
 def test_an_error_event_or_a_cut_stream_is_an_error():
