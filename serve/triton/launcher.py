@@ -35,6 +35,12 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 NGC_ROOT = Path("/opt/tritonserver")
+# Where a Triton's log goes unless the caller names a file: a temp file ``triton-*.log``
+# in this directory (set for a test cluster, whose failures print the logs' tails), or in
+# the system's temp dir.
+LOG_DIR_ENV = "TRITONLLM_TRITON_LOG_DIR"
+# The Python-backend stub's process name (its comm, the binary's first 15 bytes).
+_STUB_COMM = "triton_python_backend_stub"[:15]
 # glog lines: E1203 07:39:18.761456 7711 model_lifecycle.cc:642] "failed to load ..."
 _ERROR_LINE = re.compile(r'^E\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] "?(.*?)"?$')
 _HARMLESS = re.compile(r"CudaDriverHelper|NVML|DCGM|cuda", re.IGNORECASE)
@@ -177,7 +183,12 @@ class TritonProcess:
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
         self.extra_args = extra_args
-        self.log_path = log_path or Path(tempfile.mkstemp(prefix="triton-", suffix=".log")[1])
+        if log_path is None:
+            log_dir = os.environ.get(LOG_DIR_ENV) or None
+            if log_dir:
+                os.makedirs(log_dir, exist_ok=True)
+            log_path = Path(tempfile.mkstemp(prefix="triton-", suffix=".log", dir=log_dir)[1])
+        self.log_path = log_path
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -216,7 +227,8 @@ class TritonProcess:
         # The stub's embedded interpreter finds this venv's packages through PATH.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         out = stdout or open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
-        log.info("starting %s", " ".join(self.command(install)))
+        where = "" if stdout else f" (log: {self.log_path})"
+        log.info("starting %s%s", " ".join(self.command(install)), where)
         self._proc = subprocess.Popen(
             self.command(install),
             env=env,
@@ -276,6 +288,11 @@ class TritonProcess:
     def poll(self) -> int | None:
         return None if self._proc is None else self._proc.poll()
 
+    def dead_stubs(self) -> list[str]:
+        """How this Triton's Python-backend stubs that died on their own died (see
+        :func:`dead_stubs`); empty while they all live."""
+        return [] if self._proc is None or self.poll() is not None else dead_stubs(self.pid)
+
     def stop(self, timeout_s: float = 20.0) -> None:
         if self._proc is None or self._proc.poll() is not None:
             return
@@ -291,6 +308,48 @@ class TritonProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def dead_stubs(triton_pid: int) -> list[str]:
+    """The Python-backend stubs of Triton ``triton_pid`` that died on their own, with how
+    (``"stub 4242 killed by SIGKILL"``): their zombies, unreaped.
+
+    Triton 2.51's Python backend neither restarts a decoupled model's dead stub nor
+    reaps it (the backend waits for a stub only when it stops it), and the model stays
+    "ready": every later request to it fails with "Stub process '<model>_0_0' is not
+    healthy", while those it was running never end. A SIGKILL is the kernel's OOM
+    killer's mark (or a person's); SIGSEGV, SIGBUS or SIGABRT a crash (after XGrammar's
+    import, a SIGSEGV's native stack is in Triton's log: tvm-ffi's handler prints it).
+    """
+    found = []
+    for task in Path(f"/proc/{triton_pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")", 1)[1]
+            fields = fields.split()
+            if comm != _STUB_COMM or fields[0] != "Z":
+                continue
+            status = int(fields[49]) if len(fields) > 49 else -1  # exit_code (Linux >= 3.5)
+            found.append(f"stub {pid} {_exit_status(status)}")
+    return found
+
+
+def _exit_status(status: int) -> str:
+    if status < 0:
+        return "exited"
+    if os.WIFSIGNALED(status):
+        try:
+            return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        except ValueError:
+            return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exited with code {os.WEXITSTATUS(status)}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,6 +111,7 @@ class SidecarHost:
         self._clients: dict[asyncio.AbstractEventLoop, grpc_aio.InferenceServerClient] = {}
         self._engine_steps: dict[str, str] = {}
         self._outputs: dict[str, frozenset[str]] = {}
+        self._stub_death_logged = False
 
     def start(self) -> SidecarHost:
         """Start Triton and wait until it is ready (blocking)."""
@@ -131,13 +132,30 @@ class SidecarHost:
             await client.close()
 
     async def is_ready(self, model: str = contract.ENSEMBLE) -> bool:
-        """Triton alive and ``model`` ready (what the replica's health check asks)."""
-        if self.process.poll() is not None:
+        """Triton alive, each of its Python-backend stubs alive, and ``model`` ready
+        (what the replica's health check asks). Triton 2.51 calls a model whose stub died
+        ready still, and it never serves again: the replica must be replaced."""
+        if self.process.poll() is not None or self._stubs_died():
             return False
         try:
             return await self._client().is_model_ready(model)
         except (InferenceServerException, grpc.RpcError):
             return False
+
+    def _stubs_died(self) -> bool:
+        """Whether a stub of this Triton died; the first time, the replica's log says how,
+        with the tail of Triton's log (a crash's native stack, the model's last words)."""
+        dead = self.process.dead_stubs()
+        if dead and not self._stub_death_logged:
+            self._stub_death_logged = True
+            log.error(
+                "Triton's Python-backend stub died (%s): its model serves no more; "
+                "Triton's log %s ends:\n%s",
+                ", ".join(dead),
+                self.process.log_path,
+                self.process.log_tail(60),
+            )
+        return bool(dead)
 
     async def generate(
         self, params: GenerateParams, route: Route = ENSEMBLE_ROUTE
@@ -168,6 +186,8 @@ class SidecarHost:
             while (item := await reader.next()) is not _END:
                 result, error = item
                 if error is not None:
+                    if "is not healthy" in str(error.message()):  # a dead stub: say how
+                        self._stubs_died()
                     raise classify(str(error.message()))
                 if result.get_response().outputs:  # an EOS's empty final response: none
                     arrays = {name: result.as_numpy(name) for name in names}
@@ -244,7 +264,9 @@ class SidecarHost:
         if model not in self._engine_steps:
             config = await self._client().get_model_config(model, as_json=True)
             steps = config["config"].get("ensemble_scheduling", {}).get("step", [])
-            engines = [s["model_name"] for s in steps if "input_ids" in s.get("input_map", {})]
+            engines = [
+                s["model_name"] for s in steps if contract.INPUT_IDS.name in s.get("input_map", {})
+            ]
             self._engine_steps[model] = engines[0] if engines else model
         return self._engine_steps[model]
 

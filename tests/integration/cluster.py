@@ -32,7 +32,7 @@ import httpx
 import yaml
 
 from serve.launch import private_haproxy_dir, serve_env
-from serve.triton.launcher import free_port
+from serve.triton.launcher import LOG_DIR_ENV, dead_stubs, free_port
 from tests.conftest import ROOT
 
 BIN = Path(sys.executable).parent
@@ -89,6 +89,10 @@ class RayCluster:
         self.mode = mode  # serve.launch's Serve mode
         self.env = serve_env(mode, self.haproxy_dir)
         self.env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        # Every replica's Triton logs into a file here (serve.triton.launcher), which
+        # outlives the replica: a failed test shows their tails (triton_report).
+        self.triton_log_dir = self.temp_dir / "triton"
+        self.env[LOG_DIR_ENV] = str(self.triton_log_dir)
         self.env |= env or {}
         self.nodes: list[RayNode] = []
         self.node_ip = node_ip
@@ -253,6 +257,36 @@ class RayCluster:
 
     def logs_dir(self) -> Path:
         return self.temp_dir / "session_latest" / "logs"
+
+    def triton_report(self, since: float, lines: int = 60) -> str:
+        """What a failed test prints of the cluster's Tritons: their Python-backend
+        stubs that died and how, /dev/shm's use (the stubs' shared memory), and the
+        tail of each Triton log written since ``since`` (a ``time.time()``) or whose
+        Triton lost a stub."""
+        report, logs = [], set()
+        for path in self.triton_log_dir.glob("*.log"):
+            try:
+                if path.stat().st_mtime >= since:
+                    logs.add(path)
+            except OSError:
+                pass
+        for pid in self.pids():
+            if process_name(pid) != "tritonserver" or not (dead := dead_stubs(pid)):
+                continue
+            try:
+                logs.add(Path(os.readlink(f"/proc/{pid}/fd/1")))
+            except OSError:
+                pass
+            report.append(f"tritonserver {pid}: Python-backend {', '.join(dead)}")
+        shm = shutil.disk_usage("/dev/shm")
+        report.append(f"/dev/shm: {shm.used >> 20} MiB used of {shm.total >> 20} MiB")
+        for path in sorted(logs):
+            try:
+                text = path.read_text(errors="replace").splitlines()[-lines:]
+            except OSError as error:
+                text = [str(error)]
+            report += [f"--- {path}, its last {len(text)} lines ---", *text]
+        return "\n".join(report)
 
     def stop(self) -> None:
         # Descendants too, found while their raylet lives: a node's agents (their command

@@ -20,6 +20,11 @@ from tests.integration.cluster import serve_config
 pytestmark = pytest.mark.integration
 MODEL = "tritonllm-default"
 SAMPLED = {"temperature": 1.0, "max_tokens": 300}
+# A request's limit: the slowest here took 2.5-5.3 s (300 tokens, 16 at once; the first
+# guided one imports XGrammar) on 2 busy cores; 10x that for a slower CI machine. A
+# wedged engine then costs a minute, not 5 minutes a request (a dead one's stub fails
+# the next requests at once).
+TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +37,7 @@ def url(cluster, built_repository):
 
 @pytest.fixture(scope="module")
 def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
 
 
 # -- 20 schemas, as applications write them ---------------------------------------------
@@ -206,7 +211,7 @@ def test_json_object_and_vllm_guides_hold(client, url):
         ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
     ]:
         body = {"model": MODEL, "prompt": "The answer is", "seed": 5, **SAMPLED, **extra}
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S)
         assert response.status_code == 200, response.text
         assert check(response.json()["choices"][0]["text"]), (extra, response.json())
 
@@ -359,7 +364,7 @@ def test_a_two_turn_tool_loop(client):
 )
 def test_bad_guides_are_400s_and_the_stack_serves_on(url, client, body, param):
     request = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, **body}
-    response = httpx.post(f"{url}/v1/chat/completions", json=request, timeout=60)
+    response = httpx.post(f"{url}/v1/chat/completions", json=request, timeout=TIMEOUT_S)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4).choices
@@ -378,7 +383,13 @@ def test_langchain_structured_output_and_bound_tools(url):
         return "sunny"
 
     chat = ChatOpenAI(
-        model=MODEL, base_url=f"{url}/v1", api_key="unused", temperature=1.0, max_tokens=300
+        model=MODEL,
+        base_url=f"{url}/v1",
+        api_key="unused",
+        temperature=1.0,
+        max_tokens=300,
+        timeout=TIMEOUT_S,
+        max_retries=0,
     )
     weather = chat.with_structured_output(Weather, method="json_schema").invoke(
         "What is the weather in Oslo?"
