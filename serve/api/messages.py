@@ -16,6 +16,7 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 
 from serve.api.answer import (
     Answer,
@@ -30,14 +31,27 @@ from serve.api.answer import (
 from serve.api.auth import require_messages_api_key
 from serve.api.errors import MESSAGES_PATH, APIError, InternalError, anthropic_body
 from serve.api.messages_schemas import (
+    ErrorEvent,
+    InputJSONDelta,
     Message,
+    MessageDelta,
     MessagesRequest,
+    MessageStreamEvent,
+    PingEvent,
+    RawContentBlockDeltaEvent,
+    RawContentBlockStartEvent,
+    RawContentBlockStopEvent,
+    RawMessageDeltaEvent,
+    RawMessageStartEvent,
+    RawMessageStopEvent,
     StopReason,
     TextBlock,
+    TextDelta,
     ToolUseBlock,
     Usage,
 )
 from serve.api.prepare import BackendDep, chat_turn
+from serve.api.responses import one_line
 
 log = logging.getLogger("ray.serve")
 
@@ -105,8 +119,8 @@ def _message(message_id: str, model: str, answer: Answer) -> Message:
 # -- the stream --------------------------------------------------------------------------
 
 
-def _sse(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+def _sse(event: BaseModel) -> str:
+    return f"event: {event.type}\ndata: {one_line(event.model_dump_json())}\n\n"
 
 
 async def _stream(message_id: str, model: str, events: AnswerStream):
@@ -128,17 +142,18 @@ async def _stream(message_id: str, model: str, events: AnswerStream):
     )
     blocks = _Blocks()
     try:
-        yield _sse({"type": "message_start", "message": empty.model_dump()})
-        yield _sse({"type": "ping"})
+        yield _sse(RawMessageStartEvent(message=empty))
+        yield _sse(PingEvent())
         async for event in events:
             for shaped in blocks.shape(event):
                 yield _sse(shaped)
-        yield _sse({"type": "message_stop"})
+        yield _sse(RawMessageStopEvent())
     except APIError as error:
-        yield _sse(anthropic_body(error))
+        yield _sse(ErrorEvent.model_validate(anthropic_body(error)))
     except Exception:
         log.exception("message stream %s failed after its first byte", message_id)
-        yield _sse(anthropic_body(InternalError("internal server error; see the server log")))
+        error = InternalError("internal server error; see the server log")
+        yield _sse(ErrorEvent.model_validate(anthropic_body(error)))
     finally:
         await events.aclose()  # also when the client left: the engine stops
 
@@ -154,51 +169,46 @@ class _Blocks:
         self.open: str | None = None  # "text" | "tool_use" | None
         self.held = ""  # whitespace not yet in a block
 
-    def shape(self, event: Event) -> list[dict]:
+    def shape(self, event: Event) -> list[MessageStreamEvent]:
         if isinstance(event, ContentDelta):
             return self._text(event.text)
         if isinstance(event, CallStarted):
             self.held = ""
             call = ToolUseBlock(id=tool_use_id(event.call_id), name=event.name, input={})
-            return self._start("tool_use", call.model_dump())
+            return self._start(call)
         if isinstance(event, ArgumentsDelta):
-            return [self._delta({"type": "input_json_delta", "partial_json": event.text})]
+            return [self._delta(InputJSONDelta(partial_json=event.text))]
         return self._end(event)
 
-    def _text(self, text: str) -> list[dict]:
+    def _text(self, text: str) -> list[MessageStreamEvent]:
         if self.open == "text":
-            return [self._delta({"type": "text_delta", "text": text})]
+            return [self._delta(TextDelta(text=text))]
         if not text.strip():
             self.held += text
             return []
         text, self.held = self.held + text, ""
-        opening = self._start("text", TextBlock(text="").model_dump())
-        return opening + [self._delta({"type": "text_delta", "text": text})]
+        return self._start(TextBlock(text="")) + [self._delta(TextDelta(text=text))]
 
-    def _start(self, kind: str, block: dict) -> list[dict]:
+    def _start(self, block: TextBlock | ToolUseBlock) -> list[MessageStreamEvent]:
         events = self._close()
-        self.index, self.open = self.index + 1, kind
-        return events + [
-            {"type": "content_block_start", "index": self.index, "content_block": block}
-        ]
+        self.index, self.open = self.index + 1, block.type
+        return events + [RawContentBlockStartEvent(index=self.index, content_block=block)]
 
-    def _delta(self, delta: dict) -> dict:
-        return {"type": "content_block_delta", "index": self.index, "delta": delta}
+    def _delta(self, delta: TextDelta | InputJSONDelta) -> RawContentBlockDeltaEvent:
+        return RawContentBlockDeltaEvent(index=self.index, delta=delta)
 
-    def _close(self) -> list[dict]:
+    def _close(self) -> list[MessageStreamEvent]:
         if self.open is None:
             return []
         self.open = None
-        return [{"type": "content_block_stop", "index": self.index}]
+        return [RawContentBlockStopEvent(index=self.index)]
 
-    def _end(self, answer: Answer) -> list[dict]:
+    def _end(self, answer: Answer) -> list[MessageStreamEvent]:
         events = []
         if self.held and not answer.calls:  # an answer of whitespace only
-            events += self._start("text", TextBlock(text="").model_dump())
-            events.append(self._delta({"type": "text_delta", "text": self.held}))
+            events += self._start(TextBlock(text=""))
+            events.append(self._delta(TextDelta(text=self.held)))
         events += self._close()
         reason, sequence = _stop(answer)
-        delta = {"stop_reason": reason, "stop_sequence": sequence}
-        return events + [
-            {"type": "message_delta", "delta": delta, "usage": _usage(answer).model_dump()}
-        ]
+        delta = MessageDelta(stop_reason=reason, stop_sequence=sequence)
+        return events + [RawMessageDeltaEvent(delta=delta, usage=_usage(answer))]

@@ -358,3 +358,86 @@ class Message(BaseModel):
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: Usage
+
+
+# -- the stream --------------------------------------------------------------------------
+# Anthropic's events, named as its SDK names them. Every field is sent (``model_dump``,
+# as the message is): an event's ``type`` is its default, the rest is given.
+
+
+class RawMessageStartEvent(BaseModel):
+    type: Literal["message_start"] = "message_start"
+    message: Message
+
+
+class PingEvent(BaseModel):
+    type: Literal["ping"] = "ping"
+
+
+class RawContentBlockStartEvent(BaseModel):
+    type: Literal["content_block_start"] = "content_block_start"
+    index: int
+    content_block: Annotated[TextBlock | ToolUseBlock, Field(discriminator="type")]
+
+
+class TextDelta(BaseModel):
+    type: Literal["text_delta"] = "text_delta"
+    text: str
+
+
+class InputJSONDelta(BaseModel):
+    type: Literal["input_json_delta"] = "input_json_delta"
+    partial_json: str  # a piece of the call's input, as the model wrote it
+
+
+class RawContentBlockDeltaEvent(BaseModel):
+    type: Literal["content_block_delta"] = "content_block_delta"
+    index: int
+    # No discriminator: a union given an instance of one of its models takes it as it
+    # is, which costs less per token than finding the model by its type.
+    delta: TextDelta | InputJSONDelta
+
+
+class RawContentBlockStopEvent(BaseModel):
+    type: Literal["content_block_stop"] = "content_block_stop"
+    index: int
+
+
+class MessageDelta(BaseModel):
+    stop_reason: StopReason | None
+    stop_sequence: str | None
+
+
+class RawMessageDeltaEvent(BaseModel):
+    type: Literal["message_delta"] = "message_delta"
+    delta: MessageDelta
+    usage: Usage  # the whole count, as at the end of a message
+
+
+class RawMessageStopEvent(BaseModel):
+    type: Literal["message_stop"] = "message_stop"
+
+
+class ErrorObject(BaseModel):
+    type: str  # serve.api.errors names Anthropic's error types
+    message: str
+
+
+class ErrorEvent(BaseModel):
+    """A failure after the stream's first byte (before it, the error is the answer)."""
+
+    type: Literal["error"] = "error"
+    error: ErrorObject
+
+
+MessageStreamEvent = Annotated[
+    RawMessageStartEvent
+    | PingEvent
+    | RawContentBlockStartEvent
+    | RawContentBlockDeltaEvent
+    | RawContentBlockStopEvent
+    | RawMessageDeltaEvent
+    | RawMessageStopEvent
+    | ErrorEvent,
+    Field(discriminator="type"),
+]

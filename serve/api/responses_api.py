@@ -11,11 +11,12 @@ finds them: the next turn's prompt is that conversation, then the new input.
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import get_args
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
@@ -35,7 +36,33 @@ from serve.api.backend import Backend
 from serve.api.errors import APIError, InternalError, NotFound, TooLarge
 from serve.api.prepare import BackendDep, ChatTurn, chat_turn
 from serve.api.response_store import RecordTooLarge
-from serve.api.responses_schemas import ResponsesRequest, dump_items
+from serve.api.responses import json_response, one_line
+from serve.api.responses_schemas import (
+    IncompleteDetails,
+    Response,
+    ResponseCompletedEvent,
+    ResponseContentPartAddedEvent,
+    ResponseContentPartDoneEvent,
+    ResponseCreatedEvent,
+    ResponseError,
+    ResponseFailedEvent,
+    ResponseFunctionCallArgumentsDeltaEvent,
+    ResponseFunctionCallArgumentsDoneEvent,
+    ResponseFunctionToolCall,
+    ResponseIncompleteEvent,
+    ResponseInProgressEvent,
+    ResponseOutputItem,
+    ResponseOutputItemAddedEvent,
+    ResponseOutputItemDoneEvent,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponsesRequest,
+    ResponseTextDeltaEvent,
+    ResponseTextDoneEvent,
+    ResponseUsage,
+    StreamEvent,
+    dump_items,
+)
 from serve.api.schemas import ChatCompletionRequest
 
 log = logging.getLogger("ray.serve")
@@ -57,7 +84,7 @@ async def create_response(body: ResponsesRequest, request: Request, backend: Bac
         answer = await whole_answer(backend, turn)
         response = draft.finished(answer, _output_items(answer))
         await _save(backend, draft, response, history)
-        return response
+        return json_response(response)
     events = await start_answer(backend, turn)
     stream = _events(backend, draft, events, history)
     return StreamingResponse(stream, media_type="text/event-stream")
@@ -125,10 +152,10 @@ def _renamed(param: str | None) -> str | None:
     return _FIELDS[head] + dot + rest if head in _FIELDS else param
 
 
-async def _save(backend: Backend, draft: _Draft, response: dict, history: list[dict]) -> None:
+async def _save(backend: Backend, draft: _Draft, response: Response, history: list[dict]) -> None:
     if draft.stored:
-        conversation = history + response["output"]
-        record = {"response": response, "conversation": conversation}
+        stored = response.model_dump(exclude_unset=True)  # as it went on the wire
+        record = {"response": stored, "conversation": history + stored["output"]}
         try:
             await backend.response_store.put(draft.id, record)
         except RecordTooLarge as error:
@@ -147,11 +174,11 @@ class _Draft:
         self._created = int(time.time())
         self._body, self._turn = body, turn
 
-    def snapshot(self, status: str, output: list[dict], **fields) -> dict:
+    def snapshot(self, status: str, output: list[ResponseOutputItem], **fields) -> Response:
         body, params = self._body, self._turn.params[0]
         text_format = body.text.format if body.text else None
         choice = body.tool_choice
-        return {
+        echoed = {
             "id": self.id,
             "object": "response",
             "created_at": self._created,
@@ -176,26 +203,27 @@ class _Draft:
             "truncation": "disabled",
             "usage": None,
             "user": body.user,
-            **fields,
         }
+        return Response(**{**echoed, **fields})
 
-    def finished(self, answer: Answer, output: list[dict]) -> dict:
+    def finished(self, answer: Answer, output: list[ResponseOutputItem]) -> Response:
         """The response once ``answer`` is whole: completed, or incomplete where the
         token budget cut it."""
         cut = answer.finish_reason == "length"
         for item in output:
-            item["status"] = "incomplete" if cut else "completed"
+            item.status = "incomplete" if cut else "completed"
         return self.snapshot(
             "incomplete" if cut else "completed",
             output,
             completed_at=None if cut else int(time.time()),
-            incomplete_details={"reason": "max_output_tokens"} if cut else None,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if cut else None,
             usage=_usage(answer),
         )
 
-    def failed(self, error: APIError, output: list[dict]) -> dict:
+    def failed(self, error: APIError, output: list[ResponseOutputItem]) -> Response:
         code = error.code or ("server_error" if error.status >= 500 else "invalid_request")
-        return self.snapshot("failed", output, error={"code": code, "message": error.message})
+        failure = ResponseError(code=code, message=error.message)
+        return self.snapshot("failed", output, error=failure)
 
 
 def _dumped(value):
@@ -205,29 +233,43 @@ def _dumped(value):
     return value
 
 
-def _usage(answer: Answer) -> dict:
+def _usage(answer: Answer) -> ResponseUsage:
     prompt, completion, cached = answer.usage
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached},
-        "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + completion,
-    }
+    return ResponseUsage(
+        input_tokens=prompt,
+        input_tokens_details={"cached_tokens": cached},
+        output_tokens=completion,
+        output_tokens_details={"reasoning_tokens": 0},
+        total_tokens=prompt + completion,
+    )
 
 
-def _message_item(text: str = "") -> dict:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress"}
-    return {**item, "role": "assistant", "content": [part]}
+def _text_part(text: str = "") -> ResponseOutputText:
+    return ResponseOutputText(type="output_text", text=text, annotations=[], logprobs=[])
 
 
-def _call_item(call_id: str, name: str, arguments: str = "") -> dict:
-    item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress"}
-    return {**item, "call_id": call_id, "name": name, "arguments": arguments}
+def _message_item(text: str = "") -> ResponseOutputMessage:
+    return ResponseOutputMessage(
+        id=f"msg_{uuid.uuid4().hex}",
+        type="message",
+        status="in_progress",
+        role="assistant",
+        content=[_text_part(text)],
+    )
 
 
-def _output_items(answer: Answer) -> list[dict]:
+def _call_item(call_id: str, name: str, arguments: str = "") -> ResponseFunctionToolCall:
+    return ResponseFunctionToolCall(
+        id=f"fc_{uuid.uuid4().hex}",
+        type="function_call",
+        status="in_progress",
+        call_id=call_id,
+        name=name,
+        arguments=arguments,
+    )
+
+
+def _output_items(answer: Answer) -> list[ResponseOutputItem]:
     """A whole answer's output: its text (where it wrote any, or called nothing), then
     its calls."""
     text = [_message_item(answer.content)] if answer.content or not answer.calls else []
@@ -244,10 +286,18 @@ class _Emitter:
     def __init__(self):
         self._sequence = 0
 
-    def __call__(self, kind: str, **fields) -> str:
-        payload = {"type": kind, "sequence_number": self._sequence, **fields}
+    def __call__(self, event: type[StreamEvent], **fields) -> str:
+        kind = _kind(event)
+        payload = event(type=kind, sequence_number=self._sequence, **fields)
         self._sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+        data = one_line(payload.model_dump_json(exclude_unset=True))
+        return f"event: {kind}\ndata: {data}\n\n"
+
+
+@functools.cache
+def _kind(event: type[StreamEvent]) -> str:
+    """An event's ``type``: the one value its ``Literal`` allows."""
+    return get_args(event.model_fields["type"].annotation)[0]
 
 
 class _OpenItems:
@@ -255,70 +305,73 @@ class _OpenItems:
     arguments still arrive; each method returns the events it makes."""
 
     def __init__(self, emit: _Emitter):
-        self.items: list[dict] = []
+        self.items: list[ResponseOutputItem] = []
         self._emit = emit
-        self._open: dict | None = None
+        self._open: ResponseOutputItem | None = None
 
     def text(self, piece: str) -> list[str]:
         events = [] if self._is_open("message") else self.open_message()
-        item = self._open
-        item["content"][0]["text"] += piece
-        at = self._at(item) | {"content_index": 0}
-        return events + [self._emit("response.output_text.delta", **at, delta=piece, logprobs=[])]
+        self._open.content[0].text += piece
+        return events + [
+            self._emit(
+                ResponseTextDeltaEvent, **self._at(), content_index=0, delta=piece, logprobs=[]
+            )
+        ]
 
     def open_message(self) -> list[str]:
-        item = _message_item()
-        events = self._add(item)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        at = self._at(item) | {"content_index": 0}
-        return events + [self._emit("response.content_part.added", **at, part=part)]
+        events = self._add(_message_item())
+        part = _text_part()
+        return events + [
+            self._emit(ResponseContentPartAddedEvent, **self._at(), content_index=0, part=part)
+        ]
 
     def call(self, call_id: str, name: str) -> list[str]:
         return self._add(_call_item(call_id, name))
 
     def arguments(self, piece: str) -> list[str]:
-        item = self._open
-        item["arguments"] += piece
-        return [self._emit("response.function_call_arguments.delta", **self._at(item), delta=piece)]
+        self._open.arguments += piece
+        return [self._emit(ResponseFunctionCallArgumentsDeltaEvent, **self._at(), delta=piece)]
 
     def close(self, status: str = "completed") -> list[str]:
-        item, self._open = self._open, None
-        if item is None:
+        if self._open is None:
             return []
-        item["status"] = status
-        at = self._at(item)
-        if item["type"] == "message":
-            part = item["content"][0]
-            text = {"content_index": 0, "text": part["text"], "logprobs": []}
+        item, at = self._open, self._at()
+        self._open = None
+        item.status = status
+        if item.type == "message":
+            part = item.content[0]
             events = [
-                self._emit("response.output_text.done", **at, **text),
-                self._emit("response.content_part.done", **at, content_index=0, part=part),
+                self._emit(
+                    ResponseTextDoneEvent, **at, content_index=0, text=part.text, logprobs=[]
+                ),
+                self._emit(ResponseContentPartDoneEvent, **at, content_index=0, part=part),
             ]
         else:
-            call = {"name": item["name"], "arguments": item["arguments"]}
-            events = [self._emit("response.function_call_arguments.done", **at, **call)]
+            call = {"name": item.name, "arguments": item.arguments}
+            events = [self._emit(ResponseFunctionCallArgumentsDoneEvent, **at, **call)]
         index = at["output_index"]
-        return events + [self._emit("response.output_item.done", output_index=index, item=item)]
+        return events + [self._emit(ResponseOutputItemDoneEvent, output_index=index, item=item)]
 
     def _is_open(self, kind: str) -> bool:
-        return self._open is not None and self._open["type"] == kind
+        return self._open is not None and self._open.type == kind
 
-    def _at(self, item: dict) -> dict:
-        return {"item_id": item["id"], "output_index": self.items.index(item)}
+    def _at(self) -> dict:
+        """Where the open item is (the last one)."""
+        return {"item_id": self._open.id, "output_index": len(self.items) - 1}
 
-    def _add(self, item: dict) -> list[str]:
+    def _add(self, item: ResponseOutputItem) -> list[str]:
         events = self.close()
         self.items.append(item)
         self._open = item
         added = {"output_index": len(self.items) - 1, "item": _opening(item)}
-        return events + [self._emit("response.output_item.added", **added)]
+        return events + [self._emit(ResponseOutputItemAddedEvent, **added)]
 
 
-def _opening(item: dict) -> dict:
+def _opening(item: ResponseOutputItem) -> ResponseOutputItem:
     """An item as ``output_item.added`` shows it: nothing in it yet."""
-    if item["type"] == "message":
-        return {**item, "content": []}
-    return {**item, "arguments": ""}
+    if item.type == "message":
+        return item.model_copy(update={"content": []})
+    return item.model_copy(update={"arguments": ""})
 
 
 async def _events(
@@ -326,8 +379,8 @@ async def _events(
 ) -> AsyncIterator[str]:
     emit = _Emitter()
     output = _OpenItems(emit)
-    yield emit("response.created", response=draft.snapshot("in_progress", []))
-    yield emit("response.in_progress", response=draft.snapshot("in_progress", []))
+    yield emit(ResponseCreatedEvent, response=draft.snapshot("in_progress", []))
+    yield emit(ResponseInProgressEvent, response=draft.snapshot("in_progress", []))
     try:
         async for event in events:
             if isinstance(event, ContentDelta):
@@ -362,10 +415,10 @@ async def _end(
     frames += output.close("incomplete" if cut else "completed")
     response = draft.finished(answer, output.items)
     await _save(backend, draft, response, history)
-    kind = "response.incomplete" if cut else "response.completed"
+    kind = ResponseIncompleteEvent if cut else ResponseCompletedEvent
     return frames + [emit(kind, response=response)]
 
 
 def _failure(draft: _Draft, error: APIError, output: _OpenItems, emit: _Emitter) -> list[str]:
     frames = output.close("incomplete")
-    return frames + [emit("response.failed", response=draft.failed(error, output.items))]
+    return frames + [emit(ResponseFailedEvent, response=draft.failed(error, output.items))]

@@ -294,3 +294,14 @@ def test_a_stream_its_client_leaves_closes_the_engines_stream():
         return list(closed)  # now, not once asyncio.run has closed what is left
 
     assert asyncio.run(leave_after_the_first_delta()) == ["r"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_metadata_with_a_lone_surrogate_is_a_400_not_a_cut_stream(stream):
+    raw = b'{"model": "llm", "input": "x", "metadata": {"k": "\\ud800"}, "stream": %s}' % (
+        b"true" if stream else b"false"
+    )
+    response = api(StoringBackend()).post(
+        "/v1/responses", content=raw, headers={"content-type": "application/json"}
+    )
+    assert "surrogate" in error_of(response, 400)["message"]
