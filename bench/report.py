@@ -84,8 +84,10 @@ def check_targets(results: list[dict], max_concurrency: int = 64) -> list[dict]:
             value = row["ttft_p50_stack_vllm_vs_rayllm_ms"]
             targets.append(_target(f"(e) TTFT p50 less (d)'s at c={c}", value, "< 0 ms", value < 0))
     for system, label in (("stack", "(c)"), ("stack-vllm", "(e)")):
-        levels = [r for r in results if r["system"] == system]
-        if levels := [r for r in levels if r["concurrency"] <= max_concurrency]:
+        levels = [
+            r for r in results if r["system"] == system and r["concurrency"] <= max_concurrency
+        ]
+        if levels:
             errors = sum(r["errors"] for r in levels)
             targets.append(
                 _target(f"{label} errors up to c={max_concurrency}", errors, "0", errors == 0)

@@ -146,7 +146,7 @@ class ApiBackend:
             self._publisher = MetricsPublisher(metrics_collector, self._metrics_text, labels)
             self._publisher.start()
         checkpoints = {m.id: _tokenizer_dir(m) for m in config.models if m.task == "generate"}
-        loaded = {i: t for i, t in (tokenizers or {}).items() if t is not None}
+        loaded = tokenizers or {}
         self.tokenizers = {
             i: loaded.get(i) or load_tokenizer(str(d)) for i, d in checkpoints.items()
         }
