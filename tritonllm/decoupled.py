@@ -8,6 +8,8 @@ both take requests, stop them by id, and answer through the response thread here
 
 from __future__ import annotations
 
+import faulthandler
+
 from tritonllm.engine.scheduler import EngineBusy
 from tritonllm.engine.tensors import chunk_to_tensors, is_stop_request, to_generation_request
 from tritonllm.response_thread import ResponseThread
@@ -57,6 +59,14 @@ class TritonSink:
 
     def poll_cancelled(self) -> bool:
         return self._request.is_cancelled()
+
+
+def print_stacks_on_crash() -> None:
+    """A native crash of the stub (SIGSEGV, SIGBUS, SIGABRT) prints every thread's Python
+    stack to the stub's stderr, which is Triton's log. Otherwise the stub dies without a
+    word, and Triton keeps calling its model ready (serve/triton/launcher.py:dead_stubs).
+    ``PYTHONFAULTHANDLER`` does nothing here: the stub's interpreter is embedded."""
+    faulthandler.enable(all_threads=True)
 
 
 class DecoupledEngineModel:

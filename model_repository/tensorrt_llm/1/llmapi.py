@@ -9,7 +9,7 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.decoupled import DecoupledEngineModel
+from tritonllm.decoupled import DecoupledEngineModel, print_stacks_on_crash
 from tritonllm.engine.scheduler import merge_chunks
 from tritonllm.llmapi import LLMAPIEngine, llm_kwargs, load_options, lora_adapters
 from tritonllm.model_args import ModelArgs
@@ -20,6 +20,7 @@ class TritonPythonModel(DecoupledEngineModel):
     pb_utils = pb_utils
 
     def initialize(self, args):
+        print_stacks_on_crash()
         model_args = ModelArgs(args)
         # Imported here: loading TensorRT-LLM initialises CUDA and MPI.
         from tensorrt_llm import LLM, SamplingParams

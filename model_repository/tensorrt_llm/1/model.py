@@ -2,7 +2,7 @@
 
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.decoupled import DecoupledEngineModel
+from tritonllm.decoupled import DecoupledEngineModel, print_stacks_on_crash
 from tritonllm.engine.null_engine import NullRunner
 from tritonllm.engine.runner import CausalLMRunner
 from tritonllm.engine.scheduler import Engine, merge_chunks
@@ -31,6 +31,7 @@ class TritonPythonModel(DecoupledEngineModel):
     pb_utils = pb_utils
 
     def initialize(self, args):
+        print_stacks_on_crash()
         model_args = ModelArgs(args)
         self.responses = ResponseThread(poll_interval_s=0.02, merge=merge_chunks)
         runner = _runner(model_args)
