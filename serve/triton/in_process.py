@@ -31,6 +31,7 @@ import numpy as np
 import tritonserver
 
 from serve.generation import GenerateParams, GenerationChunk, GenerationError
+from serve.triton.launcher import PYTHON_BACKEND_CONFIG
 from serve.triton.requests import ENSEMBLE_ROUTE, Route, stop_inputs
 from serve.triton.sidecar import classify
 from tritonllm import contract
@@ -100,9 +101,13 @@ class InProcessHost:
             log_error=True,
             log_warn=True,
             # Several replicas share a node: each server's Python-backend shared-memory
-            # regions get their own names (NVIDIA sets this per server on Slurm too).
+            # regions get their own names (NVIDIA sets this per server on Slurm too), and
+            # pools that never grow under load (launcher.PYTHON_BACKEND_CONFIG).
             backend_configuration={
-                "python": {"shm-region-prefix-name": f"tritonllm{os.getpid()}_"}
+                "python": {
+                    **PYTHON_BACKEND_CONFIG,
+                    "shm-region-prefix-name": f"tritonllm{os.getpid()}_",
+                }
             },
             **extra,
         )

@@ -41,6 +41,19 @@ NGC_ROOT = Path("/opt/tritonserver")
 LOG_DIR_ENV = "TRITONLLM_TRITON_LOG_DIR"
 # The Python-backend stub's process name (its comm, the binary's first 15 bytes).
 _STUB_COMM = "triton_python_backend_stub"[:15]
+
+# Triton's Python backend (``--backend-config=python,...``): each stub's shared-memory
+# pool, where the server and the stub pass requests' and responses' tensors, starts at
+# 1 MiB and grows 1 MiB at a time. A growth makes the stub remap its pool on its next use,
+# and python_backend swaps its mapping without a lock against the stub's other threads:
+# our engine's response thread sends while the main thread takes new requests. A burst of
+# 256 requests grew the engine stub's pool to 2 MiB, and one burst in five killed the
+# stub with SIGSEGV (its model "not healthy" from then on). A pool sized for any burst
+# never grows; tmpfs gives it memory only as pages are used.
+PYTHON_BACKEND_CONFIG = {
+    "shm-default-byte-size": str(64 * 2**20),
+    "shm-growth-byte-size": str(64 * 2**20),
+}
 # glog lines: E1203 07:39:18.761456 7711 model_lifecycle.cc:642] "failed to load ..."
 _ERROR_LINE = re.compile(r'^E\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] "?(.*?)"?$')
 _HARMLESS = re.compile(r"CudaDriverHelper|NVML|DCGM|cuda", re.IGNORECASE)
@@ -216,6 +229,10 @@ class TritonProcess:
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
             "--disable-auto-complete-config",
+            *(
+                f"--backend-config=python,{key}={value}"
+                for key, value in PYTHON_BACKEND_CONFIG.items()
+            ),
             *self.extra_args,
         ]
 
