@@ -52,12 +52,15 @@ def test_a_503_is_a_rejection_only_with_retry_after():
 
 
 class FakeResponse:
-    """The stream's text as given pieces (``pieces``), or as ``lines`` ended by \n."""
+    """An aiohttp response whose body comes as given pieces (``pieces``), or as
+    ``lines`` ended by \n, each in UTF-8."""
 
     def __init__(self, lines=(), pieces=None):
-        self._pieces = pieces if pieces is not None else [line + "\n" for line in lines]
+        pieces = pieces if pieces is not None else [line + "\n" for line in lines]
+        self.content = self  # the body's stream (aiohttp's StreamReader)
+        self._pieces = [p if isinstance(p, bytes) else p.encode() for p in pieces]
 
-    async def aiter_text(self):
+    async def iter_any(self):
         for piece in self._pieces:
             yield piece
 
@@ -85,10 +88,15 @@ def test_server_sent_events_count_text_chunks_and_usage():
 def test_events_are_split_where_sse_ends_lines_only():
     # A model's text may hold U+2028 raw (Ray Serve LLM's JSON does): str.splitlines,
     # which httpx's aiter_lines follows, would cut the event there.
-    pieces = ['data: {"choices": [{"index": 0, "text": "a\u2028', 'b"}]}\r\n\r\ndata: [DO', "NE]\n"]
+    # A piece may also end inside a character's UTF-8 bytes ("é" is c3 a9).
+    pieces = [
+        'data: {"choices": [{"index": 0, "text": "a\u2028'.encode() + b"\xc3",
+        b'\xa9b"}]}\r\n\r\ndata: [DO',
+        b"NE]\n",
+    ]
     r = RequestRecord(sent=0.0)
     asyncio.run(_read_events(FakeResponse(pieces=pieces), r))
-    assert r.error is None and r.text == "a\u2028b" and len(r.arrivals) == 1
+    assert r.error is None and r.text == "a\u2028\u00e9b" and len(r.arrivals) == 1
 
 
 def test_an_error_event_or_a_cut_stream_is_an_error():
