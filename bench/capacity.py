@@ -52,10 +52,12 @@ def stack_config(
     max_concurrency: int,
     stream_interval_ms: float,
     layout: str = "ingress",
+    stream_chunks_per_s: float | None = None,
 ) -> dict:
     """serve/config.yaml's LLM over ``repository``: one Triton replica, no autoscaling,
     and room for every stream (``max_ongoing_requests``) as a GPU deployment whose
-    engine batches hundreds of sequences is sized; ``layout`` as the app's."""
+    engine batches hundreds of sequences is sized; ``layout`` as the app's; the stream
+    pacing given (None: the model's default)."""
     config = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
     config["http_options"]["port"] = port
     args = config["applications"][0]["args"]
@@ -65,6 +67,8 @@ def stack_config(
     model["triton"]["model_repository"] = str(repository)
     if stream_interval_ms:
         model["stream_interval_ms"] = stream_interval_ms
+    if stream_chunks_per_s is not None:
+        model["stream_chunks_per_s"] = stream_chunks_per_s
     deployment = model["deployment"]
     deployment.pop("autoscaling_config", None)
     deployment |= {
@@ -147,7 +151,12 @@ def run_step(args, step_ms: float, levels, prompts: list[str]) -> list[dict]:
             triton_pid = server.pid
         if "stack" in systems:
             config = stack_config(
-                repository, free_port(), max_concurrency, args.stream_interval_ms, args.layout
+                repository,
+                free_port(),
+                max_concurrency,
+                args.stream_interval_ms,
+                args.layout,
+                args.stream_chunks_per_s,
             )
             url = stack.enter_context(
                 serve_run(config, out, args.serve_mode, ready_paths=("/v1/models",))
@@ -264,6 +273,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=0,
         help="the stack model's stream_interval_ms (0: send what is ready, no waiting)",
+    )
+    p.add_argument(
+        "--stream-chunks-per-s",
+        type=float,
+        default=None,
+        help="the stack model's stream_chunks_per_s (default: the model's; 0: no shared "
+        "chunk budget)",
     )
     p.add_argument(
         "--layout",

@@ -249,6 +249,14 @@ class ModelConfig(_Strict):
         "each holding every token generated meanwhile (the first never waits); 0: each "
         "chunk leaves when ready, tokens merging only while a hop is behind",
     )
+    stream_chunks_per_s: float = Field(
+        1000,
+        ge=0,
+        description="under load, the chunks a second one replica's streams share: each "
+        "stream's chunks leave at most every (live streams / this) seconds, each holding "
+        "every token made meanwhile; a stream whose tokens come slower sends each at once, "
+        "and the first never waits; 0: no shared budget",
+    )
     variants: list[VariantId] = Field(
         default_factory=list,
         description="model multiplexing: variants (fine-tuned checkpoints of one base) "

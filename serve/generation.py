@@ -3,7 +3,7 @@
 ``GenerateParams`` goes from the API to a model's replicas, ``GenerationChunk``s come
 back, or a ``GenerationError``: plain classes (Ray pickles them) that neither the HTTP
 layer (``api/``) nor an engine's host (``triton/``, the vLLM server) owns.
-:func:`coalesce` is how a hop sends what is ready.
+:func:`coalesce` is how a hop sends what is ready, paced by :class:`StreamPacing`.
 """
 
 from __future__ import annotations
@@ -138,18 +138,43 @@ class GenerationChunk:
         )
 
 
+@dataclass
+class StreamPacing:
+    """How often one replica's streams send a chunk.
+
+    Every hop after the replica (an SSE event through the HTTP front to the client, or
+    a Ray object to the ingress) costs CPU per message whatever it holds, and the
+    replica's one event loop makes every message. Under load the replica's streams
+    therefore share a budget of ``chunks_per_s``: each stream's chunks leave at most
+    every ``live / chunks_per_s`` seconds (256 streams at 1,000 a second: every 256 ms),
+    each holding all the tokens made meanwhile. A stream whose tokens come slower than
+    that (few streams, or a slow engine) sends each one when it is ready, and the first
+    chunk never waits. ``interval_ms`` is a floor under that interval (a throughput-first
+    deployment's fixed stream interval). Ray Serve LLM batches its streams' output
+    alike, every 50 ms at any load (``stream_batching_interval_ms``).
+    """
+
+    interval_ms: float = 0.0
+    chunks_per_s: float = 0.0  # 0: no shared budget
+    live: int = 0  # the streams this replica is sending now
+
+    def interval_s(self) -> float:
+        shared = self.live / self.chunks_per_s if self.chunks_per_s else 0.0
+        return max(self.interval_ms / 1000, shared)
+
+
 async def coalesce(
-    chunks: AsyncIterable[GenerationChunk], interval_s: float = 0.0
+    chunks: AsyncIterable[GenerationChunk], pacing: StreamPacing | None = None
 ) -> AsyncIterator[GenerationChunk]:
     """``chunks`` as they come, but what arrives while the consumer is busy goes out as
     one merged chunk.
 
     Every hop of a token (a Ray object, a gRPC message, an SSE event) costs CPU per
     message whatever it holds, so a hop that falls behind catches up by sending fewer,
-    larger messages: its per-token cost falls as load rises. Nothing waits for a batch:
-    a chunk that finds the consumer ready goes out alone at once. ``interval_s`` > 0
-    (a throughput-first deployment's stream interval) holds later chunks until that
-    long after the previous one went out; the first one never waits.
+    larger messages: its per-token cost falls as load rises. Without ``pacing`` nothing
+    waits for a batch: a chunk that finds the consumer ready goes out alone at once.
+    With it, later chunks are held until its interval has passed since the previous one
+    went out; the first one never waits.
 
     Closing this iterator closes ``chunks`` where it can be closed (an abandoned
     generation stops upstream).
@@ -158,10 +183,13 @@ async def coalesce(
     pending: list[GenerationChunk] = []  # at most one: arrivals merge into it
     arrived = asyncio.Event()
     reader = asyncio.ensure_future(_read(chunks, pending, arrived))
+    if pacing is not None:
+        pacing.live += 1
     try:
         last_sent = 0.0
         while pending or not reader.done():
             await arrived.wait()
+            interval_s = pacing.interval_s() if pacing is not None else 0.0
             if interval_s and last_sent and not reader.done():
                 await _until(last_sent + interval_s, reader)
             arrived.clear()
@@ -171,6 +199,8 @@ async def coalesce(
                 yield chunk
         reader.result()  # the source's own error, after what it sent
     finally:
+        if pacing is not None:
+            pacing.live -= 1
         if not reader.done():
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)

@@ -127,7 +127,7 @@ def build(model: ModelConfig, deployment: dict[str, Any]):
     return (
         serve.deployment(_imported_in_the_replica)
         .options(func_or_class=VLLM_SERVER, name=name, **options)
-        .bind(config, model.stream_interval_ms)
+        .bind(config, model.stream_interval_ms, model.stream_chunks_per_s)
     )
 
 

@@ -15,7 +15,13 @@ from ray import serve
 
 from serve.adapters import Adapter, read_adapter
 from serve.config import ModelConfig
-from serve.generation import GenerateParams, GenerationChunk, GenerationError, coalesce
+from serve.generation import (
+    GenerateParams,
+    GenerationChunk,
+    GenerationError,
+    StreamPacing,
+    coalesce,
+)
 from serve.metrics import MetricsPublisher, replica_labels
 from serve.triton import repository
 from serve.triton.host import TritonHost
@@ -56,6 +62,7 @@ class TritonReplica:
         self, model: ModelConfig, host: TritonHost | None = None, metrics_collector=None
     ):
         self.model = model
+        self.pacing = StreamPacing(model.stream_interval_ms, model.stream_chunks_per_s)
         self.host = host or choose_host(model.triton, model.startup_models())
         # Starting Triton blocks for seconds to minutes: off the event loop.
         await asyncio.to_thread(self.host.start)
@@ -131,8 +138,9 @@ class TritonReplica:
         else:
             chunks = self.host.generate(params, route)
         # What Triton sends while this replica (or Ray's hop to the ingress) is busy
-        # leaves as one chunk: every yield is one Ray object, whatever it holds.
-        async for chunk in coalesce(chunks, self.model.stream_interval_ms / 1000):
+        # leaves as one chunk: every yield is one Ray object or SSE event, whatever it
+        # holds; under load the replica's streams share a chunk rate (StreamPacing).
+        async for chunk in coalesce(chunks, self.pacing):
             yield chunk
 
     async def _generate_with_adapter(

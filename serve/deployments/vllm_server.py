@@ -31,7 +31,13 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMClientError
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-from serve.generation import GenerateParams, GenerationChunk, GenerationError, coalesce
+from serve.generation import (
+    GenerateParams,
+    GenerationChunk,
+    GenerationError,
+    StreamPacing,
+    coalesce,
+)
 from serve.vllm_params import ChunkReader, sampling_kwargs
 
 
@@ -40,13 +46,18 @@ class VLLMServer(LLMServer):
     (``generate``); built from a plain ``LLMConfig`` dict, because the
     process that builds the application cannot import ``ray.serve.llm``."""
 
-    async def __init__(self, llm_config: dict[str, Any], stream_interval_ms: float = 0):
-        self._stream_interval_s = stream_interval_ms / 1000
+    async def __init__(
+        self,
+        llm_config: dict[str, Any],
+        stream_interval_ms: float = 0,
+        stream_chunks_per_s: float = 0,
+    ):
+        self._pacing = StreamPacing(stream_interval_ms, stream_chunks_per_s)
         await super().__init__(LLMConfig.model_validate(llm_config))
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerationChunk]:
         # As a Triton replica's: what vLLM produces while Ray's hop is busy leaves as one.
-        async for chunk in coalesce(self._generate(params), self._stream_interval_s):
+        async for chunk in coalesce(self._generate(params), self._pacing):
             yield chunk
 
     async def _generate(self, params: GenerateParams) -> AsyncIterator[GenerationChunk]:

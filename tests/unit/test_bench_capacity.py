@@ -55,7 +55,9 @@ def test_targets_compare_the_stack_at_256_streams_and_where_triton_leaves_half_i
 
 
 def test_the_stacks_config_has_room_for_every_stream(tmp_path):
-    config = stack_config(tmp_path, 8123, max_concurrency=512, stream_interval_ms=50)
+    config = stack_config(
+        tmp_path, 8123, max_concurrency=512, stream_interval_ms=50, stream_chunks_per_s=0
+    )
     args = AppConfig.model_validate(config["applications"][0]["args"])
     (model,) = args.models
     assert (model.deployment.max_ongoing_requests, model.deployment.max_queued_requests) == (
@@ -63,4 +65,5 @@ def test_the_stacks_config_has_room_for_every_stream(tmp_path):
         512,
     )
     assert model.deployment.num_replicas == 1 and model.stream_interval_ms == 50
+    assert model.stream_chunks_per_s == 0
     assert config["http_options"]["port"] == 8123

@@ -8,7 +8,13 @@ import time
 import numpy as np
 import pytest
 
-from serve.generation import GenerateParams, GenerationChunk, TopLogProbs, coalesce
+from serve.generation import (
+    GenerateParams,
+    GenerationChunk,
+    StreamPacing,
+    TopLogProbs,
+    coalesce,
+)
 from serve.triton.requests import chunk_from_outputs
 
 
@@ -52,19 +58,62 @@ def test_chunks_that_arrive_while_the_consumer_is_busy_go_out_merged():
     assert all(c.finish_reason is None for c in got[:-1])
 
 
-def test_a_stream_interval_spaces_the_chunks_but_never_delays_the_first():
-    async def timed():
-        start, stamps = time.monotonic(), []
-        async for c in coalesce(source(30, gap_s=0.002), interval_s=0.02):
-            stamps.append((time.monotonic() - start, c))
-        return stamps
+async def timed(chunks) -> list[tuple[float, GenerationChunk]]:
+    start, stamps = time.monotonic(), []
+    async for c in chunks:
+        stamps.append((time.monotonic() - start, c))
+    return stamps
 
-    stamps = asyncio.run(timed())
+
+def gaps_between(stamps) -> list[float]:
+    """The gaps between chunks, but the last (it leaves early: the source ended)."""
     times = [t for t, _ in stamps]
-    assert times[0] < 0.015 and stamps[0][1] == chunk(0)
-    gaps = [b - a for a, b in zip(times, times[1:-1], strict=False)]
-    assert gaps and min(gaps) >= 0.018  # the last may leave early: the source ended
+    return [b - a for a, b in zip(times, times[1:-1], strict=False)]
+
+
+def test_a_stream_interval_spaces_the_chunks_but_never_delays_the_first():
+    stamps = asyncio.run(timed(coalesce(source(30, gap_s=0.002), StreamPacing(interval_ms=20))))
+    assert stamps[0][0] < 0.015 and stamps[0][1] == chunk(0)
+    gaps = gaps_between(stamps)
+    assert gaps and min(gaps) >= 0.018
     assert "".join(c.text for _, c in stamps) == "".join(f" w{i}" for i in range(30))
+
+
+def test_streams_share_the_replicas_chunk_rate():
+    """Three streams over 100 chunks a second: each sends every 30 ms, all of its text."""
+    pacing = StreamPacing(chunks_per_s=100)
+
+    async def three():
+        return await asyncio.gather(
+            *(timed(coalesce(source(40, gap_s=0.002), pacing)) for _ in range(3))
+        )
+
+    for stamps in asyncio.run(three()):
+        assert stamps[0][0] < 0.015
+        gaps = gaps_between(stamps)
+        assert gaps and min(gaps) >= 0.028
+        assert "".join(c.text for _, c in stamps) == "".join(f" w{i}" for i in range(40))
+    assert pacing.live == 0  # every stream counted out, as it ended
+
+
+def test_a_stream_slower_than_its_share_sends_each_chunk_alone():
+    """One stream, 1,000 chunks a second: tokens 10 ms apart never wait or merge."""
+    pacing = StreamPacing(chunks_per_s=1000)
+    got = asyncio.run(collect(coalesce(source(5, gap_s=0.01), pacing)))
+    assert got == [chunk(i, "length" if i == 4 else None) for i in range(5)]
+
+
+def test_a_closed_stream_leaves_the_live_count():
+    pacing = StreamPacing(chunks_per_s=1000)
+
+    async def abandon():
+        stream = coalesce(source(50, gap_s=0.001), pacing)
+        await anext(stream)
+        assert pacing.live == 1
+        await stream.aclose()
+
+    asyncio.run(abandon())
+    assert pacing.live == 0
 
 
 def test_an_error_comes_after_the_chunks_sent_before_it():

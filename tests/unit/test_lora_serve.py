@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from serve.adapters import AdapterCatalog, list_adapters, read_adapter
 from serve.api.errors import NotFound
 from serve.config import AppConfig, ModelConfig
-from serve.generation import GenerateParams, GenerationChunk, GenerationError
+from serve.generation import GenerateParams, GenerationChunk, GenerationError, StreamPacing
 from serve.triton.requests import ensemble_inputs
 from tests.unit.test_http_api import FakeBackend, client, error_of
 from tritonllm import contract, lora
@@ -298,6 +298,7 @@ def test_the_replica_sends_the_weights_once_and_again_when_the_engine_lost_them(
     replica.model = ModelConfig.model_validate(model)
     replica.host = host = EngineHost()
     replica._routes = {}
+    replica.pacing = StreamPacing()
 
     async def adapter(adapter_id):
         assert adapter_id == "base:a"  # the multiplexed model id the ingress routes by
