@@ -44,16 +44,17 @@ _STUB_COMM = "triton_python_backend_stub"[:15]
 
 # Triton's Python backend (``--backend-config=python,...``): each stub's shared-memory
 # pool, where the server and the stub pass requests' and responses' tensors, starts at
-# 1 MiB and grows 1 MiB at a time. A growth makes the stub remap its pool on its next use,
-# and python_backend swaps its mapping without a lock against the stub's other threads:
-# our engine's response thread sends while the main thread takes new requests. A burst of
-# 256 requests grew the engine stub's pool to 2 MiB, and one burst in five killed the
-# stub with SIGSEGV (its model "not healthy" from then on). A pool sized for any burst
-# never grows; tmpfs gives it memory only as pages are used.
+# 1 MiB and grows 1 MiB at a time. A growth makes each side remap the pool on its next
+# use, and python_backend swaps its mapping without a lock against the stub's other
+# threads (our engine's response thread sends while the main thread takes requests).
+# Bursts of 256 requests grew the engine stub's pool to 2 MiB here, and two 256-stream
+# runs in about ten lost that stub to a SIGSEGV in its main thread at the burst. A pool
+# sized for a burst never grows, and tmpfs gives it memory only as its pages are used.
 PYTHON_BACKEND_CONFIG = {
     "shm-default-byte-size": str(64 * 2**20),
     "shm-growth-byte-size": str(64 * 2**20),
 }
+
 # glog lines: E1203 07:39:18.761456 7711 model_lifecycle.cc:642] "failed to load ..."
 _ERROR_LINE = re.compile(r'^E\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] "?(.*?)"?$')
 _HARMLESS = re.compile(r"CudaDriverHelper|NVML|DCGM|cuda", re.IGNORECASE)
