@@ -61,6 +61,16 @@ class EngineMetrics:
         self._last_flush = 0.0
         self._pending_steps: list[StepStats] = []
 
+    def close(self) -> None:
+        """Drop the metrics, then their families, while the stub still talks to the
+        server (the model's ``finalize``). Left to the interpreter's exit, python_backend
+        clears them after its shared memory is gone, and the stub dies with SIGSEGV on
+        every unload (``MetricFamily::~MetricFamily`` -> ``Metric::Clear``)."""
+        self._running = self._queued = self._step_seconds = None
+        self._prompt_tokens = self._generated_tokens = None
+        self._prefix_queries = self._prefix_hits = None
+        self._families.clear()
+
     def on_step(self, stats: StepStats) -> None:
         self._pending_steps.append(stats)
         now = time.monotonic()

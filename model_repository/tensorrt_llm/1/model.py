@@ -35,6 +35,7 @@ class TritonPythonModel(DecoupledEngineModel):
         model_args = ModelArgs(args)
         self.responses = ResponseThread(poll_interval_s=0.02, merge=merge_chunks)
         runner = _runner(model_args)
+        self.metrics = EngineMetrics(pb_utils, args["model_name"])
         self.engine = Engine(
             runner,
             max_batch_size=model_args.int("max_batch_size", 8),
@@ -42,10 +43,14 @@ class TritonPythonModel(DecoupledEngineModel):
             max_seq_len=model_args.int("max_seq_len", 0) or None,
             max_num_tokens=model_args.int("max_num_tokens", 8192),
             enable_chunked_context=model_args.bool("enable_chunked_context", False),
-            observer=EngineMetrics(pb_utils, args["model_name"]),
+            observer=self.metrics,
             num_threads=model_args.int("num_threads", 0),
             prefix_cache_mb=float(model_args.str("prefix_cache_mb", "0")),
             prefix_block_size=model_args.int("prefix_cache_block_size", 16),
             max_lora_rank=model_args.int("max_lora_rank", 64),
             lora_cache_bytes=model_args.int("lora_cache_host_memory_bytes", 256 * 2**20),
         )
+
+    def finalize(self):
+        super().finalize()
+        self.metrics.close()  # while the stub still talks to the server
