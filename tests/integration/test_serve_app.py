@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from serve.triton.launcher import free_port
+from tests import aiperf_env
 from tests.conftest import ROOT
 from tests.integration.abandon import IDLE_WITHIN_S, SHORT_WITHIN_S, abandon_then_serve
 from tests.integration.repositories import repository_with_limits
@@ -550,20 +551,9 @@ def test_a_token_id_prompt_answers_as_its_text_does(app_url, client, checkpoint_
     assert response.status_code == 400 and "vocabulary" in response.json()["error"]["message"]
 
 
-# NVIDIA AIPerf, as users load-test an OpenAI endpoint: its own virtualenv (it pins
-# versions of pandas, rich and prometheus-client of its own), made once per machine.
-AIPERF = "aiperf==0.13.0"
-AIPERF_VENV = ROOT / "build" / "aiperf-venv"
-
-
 @pytest.fixture(scope="module")
 def aiperf() -> Path:
-    binary = AIPERF_VENV / "bin" / "aiperf"
-    if not binary.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(AIPERF_VENV)], check=True)
-        pip = [str(AIPERF_VENV / "bin" / "python"), "-m", "pip", "install", "--quiet", AIPERF]
-        subprocess.run(pip, check=True, timeout=900)
-    return binary
+    return aiperf_env.ensure()  # made by make test beforehand, else here
 
 
 def test_an_aiperf_run_completes_without_errors(app_url, layout, aiperf, checkpoint_dir, tmp_path):
