@@ -340,6 +340,17 @@ def dead_stubs(triton_pid: int) -> list[str]:
     import, a SIGSEGV's native stack is in Triton's log: tvm-ffi's handler prints it).
     """
     found = []
+    for pid, fields in python_stubs(triton_pid).items():
+        if fields[0] == "Z":
+            status = int(fields[49]) if len(fields) > 49 else -1  # exit_code (Linux >= 3.5)
+            found.append(f"stub {pid} {_exit_status(status)}")
+    return found
+
+
+def python_stubs(triton_pid: int) -> dict[int, list[str]]:
+    """Triton ``triton_pid``'s Python-backend stub children, live or zombie: each one's
+    ``/proc/<pid>/stat`` fields after its name (the state first)."""
+    stubs = {}
     for task in Path(f"/proc/{triton_pid}/task").glob("*"):
         try:
             children = (task / "children").read_text().split()
@@ -350,13 +361,9 @@ def dead_stubs(triton_pid: int) -> list[str]:
                 stat = Path(f"/proc/{pid}/stat").read_text()
             except OSError:
                 continue
-            comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")", 1)[1]
-            fields = fields.split()
-            if comm != _STUB_COMM or fields[0] != "Z":
-                continue
-            status = int(fields[49]) if len(fields) > 49 else -1  # exit_code (Linux >= 3.5)
-            found.append(f"stub {pid} {_exit_status(status)}")
-    return found
+            if stat[stat.index("(") + 1 : stat.rindex(")")] == _STUB_COMM:
+                stubs[int(pid)] = stat.rsplit(")", 1)[1].split()
+    return stubs
 
 
 def _exit_status(status: int) -> str:

@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from serve.triton.launcher import PYTHON_BACKEND_CONFIG, TritonLaunchError, TritonProcess
+from serve.triton.launcher import (
+    PYTHON_BACKEND_CONFIG,
+    TritonLaunchError,
+    TritonProcess,
+    python_stubs,
+)
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
@@ -115,11 +120,8 @@ def test_each_python_stub_has_a_shared_memory_pool_that_a_burst_does_not_grow(tr
     """python_backend's pool grows 1 MiB at a time by default, and a growth under a burst
     of requests crashed the engine's stub (launcher.PYTHON_BACKEND_CONFIG)."""
     regions = {}  # stub pid -> its pool's name (the stub's second argument)
-    for task in Path(f"/proc/{triton.pid}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if argv[0].endswith(b"triton_python_backend_stub"):
-                regions[pid] = argv[2].decode()
+    for pid in python_stubs(triton.pid):
+        regions[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2].decode()
     assert len(regions) >= 3  # preprocessing, tensorrt_llm, postprocessing
     pool_bytes = int(PYTHON_BACKEND_CONFIG["shm-default-byte-size"])
     assert pool_bytes >= 64 * 2**20
