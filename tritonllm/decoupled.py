@@ -27,6 +27,12 @@ class TritonSink:
         self._sender = sender
         self._generation_request = generation_request
         self._responses = responses
+        # Only what the caller asked for: Triton would drop the rest inside send(), with
+        # the GIL released, and dropping a tensor there frees its numpy array without
+        # the GIL, which corrupts the stub's heap (python_backend's ResponseSender::Send
+        # prunes unrequested outputs after gil_scoped_release; under load the stub died
+        # of SIGSEGV in pymalloc). It also spares building tensors nobody reads.
+        self._wanted = frozenset(request.requested_output_names())
 
     # The engine's side (tritonllm.engine.scheduler.ResponseSink): never blocks.
 
@@ -51,10 +57,13 @@ class TritonSink:
         # A stream's end (an EOS) carries the counts, with no tokens: the end token is
         # counted but not returned, so the last counts are the final response's.
         tensors = chunk_to_tensors(chunk, self._generation_request)
-        response = pb.InferenceResponse(
-            output_tensors=[pb.Tensor(name, value) for name, value in tensors.items()]
+        # Held until send() returns, so that no tensor's last reference goes inside it.
+        outputs = [
+            pb.Tensor(name, value) for name, value in tensors.items() if name in self._wanted
+        ]
+        self._sender.send(
+            pb.InferenceResponse(output_tensors=outputs), flags=final if chunk.finished else 0
         )
-        self._sender.send(response, flags=final if chunk.finished else 0)
         return chunk.finished
 
     def poll_cancelled(self) -> bool:

@@ -46,10 +46,10 @@ _STUB_COMM = "triton_python_backend_stub"[:15]
 # pool, where the server and the stub pass requests' and responses' tensors, starts at
 # 1 MiB and grows 1 MiB at a time. A growth makes each side remap the pool on its next
 # use, and python_backend swaps its mapping without a lock against the stub's other
-# threads (our engine's response thread sends while the main thread takes requests).
-# Bursts of 256 requests grew the engine stub's pool to 2 MiB here, and two 256-stream
-# runs in about ten lost that stub to a SIGSEGV in its main thread at the burst. A pool
-# sized for a burst never grows, and tmpfs gives it memory only as its pages are used.
+# threads (our engine's response thread sends while the main thread takes requests);
+# bursts of 256 requests grew the engine stub's pool to 2 MiB here. A pool sized for a
+# burst never grows, and tmpfs gives it memory only as its pages are used. (The engine
+# stub's SIGSEGVs under load had another cause: tritonllm/decoupled.py:TritonSink.)
 PYTHON_BACKEND_CONFIG = {
     "shm-default-byte-size": str(64 * 2**20),
     "shm-growth-byte-size": str(64 * 2**20),

@@ -117,8 +117,8 @@ def test_triton_does_not_outlive_its_parent_and_unloads_its_models_cleanly(built
 
 
 def test_each_python_stub_has_a_shared_memory_pool_that_a_burst_does_not_grow(triton):
-    """python_backend's pool grows 1 MiB at a time by default, and a growth under a burst
-    of requests crashed the engine's stub (launcher.PYTHON_BACKEND_CONFIG)."""
+    """python_backend's pool grows 1 MiB at a time by default, remapped under the stub's
+    threads at each growth, and bursts of requests grew it (launcher.PYTHON_BACKEND_CONFIG)."""
     regions = {}  # stub pid -> its pool's name (the stub's second argument)
     for pid in python_stubs(triton.pid):
         regions[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2].decode()
