@@ -31,7 +31,7 @@ class TritonSink:
         # the GIL released, and dropping a tensor there frees its numpy array without
         # the GIL, which corrupts the stub's heap (python_backend's ResponseSender::Send
         # prunes unrequested outputs after gil_scoped_release; under load the stub died
-        # of SIGSEGV in pymalloc). It also spares building tensors nobody reads.
+        # of SIGSEGV in pymalloc). It also spares copying tensors nobody reads to Triton.
         self._wanted = frozenset(request.requested_output_names())
 
     # The engine's side (tritonllm.engine.scheduler.ResponseSink): never blocks.
