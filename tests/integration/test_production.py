@@ -230,10 +230,21 @@ def app_metrics(url: str) -> str:
     return response.text
 
 
-def test_past_the_queue_bound_clients_get_503_with_retry_after(cluster, built_repository):
+@pytest.fixture(scope="module")
+def slow_repository(checkpoint_dir, tmp_path_factory) -> Path:
+    """The null engine over the default checkpoint at 25 ms a step: a 400-token stream
+    lasts 10 s on any machine, so a test's event meets it in flight (the torch model
+    streams it in about 1.2 s here: it could end before the event)."""
+    destination = tmp_path_factory.mktemp("slow")
+    return repository_with_limits(
+        checkpoint_dir, destination, "--target", "null", "--null-step-ms", "25"
+    )
+
+
+def test_past_the_queue_bound_clients_get_503_with_retry_after(cluster, slow_repository):
     cluster.deploy(
         serve_config(
-            built_repository,
+            slow_repository,
             deployment={
                 "autoscaling_config": None,
                 "num_replicas": 1,
@@ -330,13 +341,13 @@ def test_load_scales_out_to_a_second_replica_and_back(cluster, built_repository)
 
 
 def test_a_killed_triton_of_the_only_replica_is_replaced_and_its_stream_resumes(
-    cluster, built_repository
+    cluster, slow_repository
 ):
     """The replica exits with its Triton, Serve starts another, and the stream it was
     serving resumes there (with two replicas, on the other one: test_migration.py)."""
     cluster.deploy(
         serve_config(
-            built_repository,
+            slow_repository,
             deployment={
                 "autoscaling_config": None,
                 "num_replicas": 1,
@@ -350,6 +361,7 @@ def test_a_killed_triton_of_the_only_replica_is_replaced_and_its_stream_resumes(
     with ThreadPoolExecutor(1) as pool, Load(cluster.url, clients=3, max_tokens=24) as load:
         long_stream = pool.submit(stream_events, cluster.url, max_tokens=400, min_tokens=400)
         time.sleep(3)
+        assert not long_stream.done(), "the stream ended before its Triton was killed"
         os.kill(triton_pid(victim), signal.SIGKILL)
         killed_at = time.monotonic()
 
@@ -370,10 +382,10 @@ def test_a_killed_triton_of_the_only_replica_is_replaced_and_its_stream_resumes(
 
 
 def test_a_rolling_update_finishes_streams_in_flight_and_applies_the_new_config(
-    cluster, built_repository
+    cluster, slow_repository
 ):
     fixed = {"autoscaling_config": None, "num_replicas": 1, "graceful_shutdown_wait_loop_s": 0.5}
-    cluster.deploy(serve_config(built_repository, deployment=fixed))
+    cluster.deploy(serve_config(slow_repository, deployment=fixed))
     cluster.wait_running()
     assert complete(cluster.url, max_tokens=150).status_code == 200
     with ThreadPoolExecutor(3) as pool, Load(cluster.url, clients=1, max_tokens=4) as load:
@@ -382,7 +394,8 @@ def test_a_rolling_update_finishes_streams_in_flight_and_applies_the_new_config(
             for _ in range(3)
         ]
         time.sleep(2)  # the streams are running on the old replicas
-        cluster.deploy(serve_config(built_repository, max_tokens_cap=100, deployment=fixed))
+        cluster.deploy(serve_config(slow_repository, max_tokens_cap=100, deployment=fixed))
+        assert not any(s.done() for s in streams), "a stream ended before the update"
         wait_for(
             lambda: complete(cluster.url, max_tokens=150).status_code == 400,
             240,
