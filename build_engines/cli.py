@@ -112,6 +112,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("--dtype", str, "auto | float32 | float16 | bfloat16"),
         ("--prefix-cache-mb", float, "torch engine: prefix cache budget in MiB (0: off)"),
         ("--prefix-cache-block-size", int, "torch engine: tokens per prefix cache block"),
+        (
+            "--stream-chunks-per-s",
+            float,
+            "responses a second the engine's requests share under load (0: no budget)",
+        ),
         ("--null-step-ms", float, "null target (a benchmark instrument): ms per engine step"),
     ):
         field = flag[2:].replace("-", "_")

@@ -80,6 +80,7 @@ class TrtllmSettings:
     enable_kv_cache_reuse: bool = True
     enable_chunked_context: bool = False
     exclude_input_in_output: bool = False
+    stream_chunks_per_s: float = 1000.0  # trtllm-pytorch: tritonllm/response_thread.py
     # LoRA adapters (build_engines/trtllm_lora.py); None: the engine takes none.
     lora: LoraSettings | None = _DEFAULT_LORA
 
@@ -164,6 +165,8 @@ class TrtllmSettings:
             )
         if self.max_queue_size < 0 or self.max_queue_delay_microseconds < 0:
             yield "max_queue_size and max_queue_delay_microseconds must be >= 0"
+        if self.stream_chunks_per_s < 0:
+            yield "stream_chunks_per_s must be >= 0 (0: no budget)"
 
     @property
     def triton_batch(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import faulthandler
 
-from tritonllm.engine.scheduler import EngineBusy
+from tritonllm.engine.scheduler import EngineBusy, is_final_chunk, merge_chunks
 from tritonllm.engine.tensors import chunk_to_tensors, is_stop_request, to_generation_request
 from tritonllm.response_thread import ResponseThread
 from tritonllm.tokenization import InvalidRequest
@@ -68,6 +68,18 @@ class TritonSink:
 
     def poll_cancelled(self) -> bool:
         return self._request.is_cancelled()
+
+
+def response_thread(model_args) -> ResponseThread:
+    """The model's response thread: what it finds queued for a request leaves as one
+    response, and under load the requests share the config's ``stream_chunks_per_s``
+    (0 or absent: none; ``tritonllm.response_thread``)."""
+    return ResponseThread(
+        poll_interval_s=0.02,
+        merge=merge_chunks,
+        chunks_per_s=float(model_args.str("stream_chunks_per_s", "0")),
+        is_final=is_final_chunk,
+    )
 
 
 def print_stacks_on_crash() -> None:

@@ -43,6 +43,10 @@ class EngineOptions:
     # of this many tokens (docs/prefix-caching.md)
     prefix_cache_mb: float = 256.0
     prefix_cache_block_size: int = 16
+    # Responses a second the engine's requests share under load: each request's leave at
+    # most every (requests in flight / this) s, with all tokens made since (0: no budget;
+    # tritonllm/response_thread.py). 1,000: as serve/config.py's stream_chunks_per_s.
+    stream_chunks_per_s: float = 1000.0
     null_step_ms: float = 5.0  # null target (a benchmark instrument): the time of one step
     preprocessing_instance_count: int = 1
     dynamic_batching: DynamicBatching = field(default_factory=DynamicBatching)

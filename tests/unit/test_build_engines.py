@@ -116,8 +116,9 @@ def test_the_null_target_fills_the_torch_configs_with_the_null_engine(
     config = copy.config_path("tensorrt_llm").read_text()
     assert 'key: "engine" value: { string_value: "null" }' in config
     assert 'key: "null_step_ms" value: { string_value: "2.5" }' in config
-    assert main([*args, "--target", "torch"]) == 0  # the same template, the model's engine
-    assert (
-        'key: "engine" value: { string_value: "torch" }'
-        in copy.config_path("tensorrt_llm").read_text()
-    )
+    assert 'key: "stream_chunks_per_s" value: { string_value: "1000.0" }' in config
+    # The same template, the model's engine; a build option refills the config.
+    assert main([*args, "--target", "torch", "--stream-chunks-per-s", "0"]) == 0
+    config = copy.config_path("tensorrt_llm").read_text()
+    assert 'key: "engine" value: { string_value: "torch" }' in config
+    assert 'key: "stream_chunks_per_s" value: { string_value: "0.0" }' in config

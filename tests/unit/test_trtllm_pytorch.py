@@ -139,6 +139,7 @@ def test_the_llmapi_config_is_a_python_model_on_our_contract(repo, checkpoint_di
     assert yaml.safe_load(options_path.read_text()) == llm_api_options(TrtllmSettings())
     assert args.int("max_batch_size") == 64 and args.int("max_queue_size") == 256
     assert args.int("max_input_len") == 2048 and args.int("max_seq_len") == 4096
+    assert float(args.str("stream_chunks_per_s")) == 1000  # the response thread's budget
     # No engine: the checkpoint, the options and the tracked adapters.
     assert sorted(p.name for p in repo.engine_version_dir.iterdir()) == [
         "hf_model",

@@ -97,6 +97,11 @@ def merge_chunks(earlier, later):
     return None
 
 
+def is_final_chunk(item) -> bool:
+    """The response thread's test for a request's last item (an error is one too)."""
+    return not isinstance(item, GenerationChunk) or item.finished
+
+
 class ResponseSink(Protocol):
     """Where a request's chunks go (Triton's response sender in production)."""
 

@@ -9,11 +9,9 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.decoupled import DecoupledEngineModel, print_stacks_on_crash
-from tritonllm.engine.scheduler import merge_chunks
+from tritonllm.decoupled import DecoupledEngineModel, print_stacks_on_crash, response_thread
 from tritonllm.llmapi import LLMAPIEngine, llm_kwargs, load_options, lora_adapters
 from tritonllm.model_args import ModelArgs
-from tritonllm.response_thread import ResponseThread
 
 
 class TritonPythonModel(DecoupledEngineModel):
@@ -39,8 +37,7 @@ class TritonPythonModel(DecoupledEngineModel):
         if adapters is not None:
             from tensorrt_llm.executor.request import LoRARequest  # noqa: N806
         llm = LLM(**llm_kwargs(model_dir, options))
-        # What the thread finds queued for a request leaves as one response (model.py too).
-        self.responses = ResponseThread(poll_interval_s=0.02, merge=merge_chunks)
+        self.responses = response_thread(model_args)
         self.engine = LLMAPIEngine(
             llm,
             SamplingParams,

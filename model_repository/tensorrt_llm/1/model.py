@@ -2,12 +2,11 @@
 
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.decoupled import DecoupledEngineModel, print_stacks_on_crash
+from tritonllm.decoupled import DecoupledEngineModel, print_stacks_on_crash, response_thread
 from tritonllm.engine.null_engine import NullRunner
 from tritonllm.engine.runner import CausalLMRunner
-from tritonllm.engine.scheduler import Engine, merge_chunks
+from tritonllm.engine.scheduler import Engine
 from tritonllm.model_args import ModelArgs
-from tritonllm.response_thread import ResponseThread
 from tritonllm.triton_metrics import EngineMetrics
 
 
@@ -33,7 +32,7 @@ class TritonPythonModel(DecoupledEngineModel):
     def initialize(self, args):
         print_stacks_on_crash()
         model_args = ModelArgs(args)
-        self.responses = ResponseThread(poll_interval_s=0.02, merge=merge_chunks)
+        self.responses = response_thread(model_args)
         runner = _runner(model_args)
         self.metrics = EngineMetrics(pb_utils, args["model_name"])
         self.engine = Engine(
