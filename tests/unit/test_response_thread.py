@@ -33,6 +33,10 @@ class FakeSink:
         return self.client_gone
 
 
+def join_lists(earlier, later):  # lists of tokens join; "final" ends a request
+    return None if "final" in (earlier, later) else earlier + later
+
+
 def wait_until(condition, timeout_s=5.0):
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -96,10 +100,7 @@ def test_items_queued_while_the_thread_is_busy_go_out_merged_per_request():
             release.wait(5)
             return super().deliver(item)
 
-    def merge(earlier, later):  # lists of tokens join; "final" ends a request
-        return None if "final" in (earlier, later) else earlier + later
-
-    thread = ResponseThread(poll_interval_s=1.0, merge=merge)
+    thread = ResponseThread(poll_interval_s=1.0, merge=join_lists)
     slow, a, b = SlowSink(), FakeSink(), FakeSink()
     thread.send(slow, [0])  # the thread is held in this round trip
     for i in range(1, 4):
@@ -138,10 +139,6 @@ class TimedSink(FakeSink):
     def deliver(self, item):
         self.times.append(time.monotonic())
         return super().deliver(item)
-
-
-def join_lists(earlier, later):  # lists of tokens join; "final" ends a request
-    return None if "final" in (earlier, later) else earlier + later
 
 
 def budgeted(chunks_per_s: float) -> ResponseThread:
