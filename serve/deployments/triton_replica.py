@@ -111,6 +111,10 @@ class TritonReplica:
         while not self.host.exited():
             await asyncio.sleep(TRITON_WATCH_S)
         log.error("Triton exited: the replica exits for Serve to replace it")
+        try:
+            self.host.stop()  # removes the shared memory the dead Triton left
+        except Exception:  # exit all the same
+            log.exception("could not clean up after Triton")
         logging.shutdown()
         os._exit(1)
 

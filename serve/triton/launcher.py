@@ -55,6 +55,16 @@ PYTHON_BACKEND_CONFIG = {
     "shm-growth-byte-size": str(64 * 2**20),
 }
 
+# Each stub's pool is a file in /dev/shm (tmpfs: memory) that Triton removes when it
+# unloads the model. A Triton that is killed (SIGKILL, the OOM killer, a stop that ran
+# out of time) leaves them: 64 MiB a stub, three or four stubs a Triton, held until the
+# node restarts (a test run here left 19 GiB). So each Triton's pools are named after
+# its launcher's pid (python_backend's shm-region-prefix-name): the launcher removes
+# them once its Triton has exited, and each launch removes those of dead launchers.
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "tritonllm-triton"
+_SHM_NAME = re.compile(rf"^{SHM_PREFIX}-(\d+)-")
+
 # glog lines: E1203 07:39:18.761456 7711 model_lifecycle.cc:642] "failed to load ..."
 _ERROR_LINE = re.compile(r'^E\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] "?(.*?)"?$')
 _HARMLESS = re.compile(r"CudaDriverHelper|NVML|DCGM|cuda", re.IGNORECASE)
@@ -203,6 +213,8 @@ class TritonProcess:
                 os.makedirs(log_dir, exist_ok=True)
             log_path = Path(tempfile.mkstemp(prefix="triton-", suffix=".log", dir=log_dir)[1])
         self.log_path = log_path
+        # Unique per Triton of this process: <prefix>-<launcher pid>-<random>-<stub's id>.
+        self.shm_prefix = f"{SHM_PREFIX}-{os.getpid()}-{random.getrandbits(48):012x}-"
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -234,6 +246,7 @@ class TritonProcess:
                 f"--backend-config=python,{key}={value}"
                 for key, value in PYTHON_BACKEND_CONFIG.items()
             ),
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             *self.extra_args,
         ]
 
@@ -241,6 +254,7 @@ class TritonProcess:
         if not self.model_repository.is_dir():
             raise TritonLaunchError(f"model repository {self.model_repository} does not exist")
         install = find_triton()
+        remove_orphaned_pools()
         env = {**os.environ, **install.env}
         # The stub's embedded interpreter finds this venv's packages through PATH.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
@@ -312,20 +326,53 @@ class TritonProcess:
         return [] if self._proc is None or self.poll() is not None else dead_stubs(self.pid)
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        if self._proc is None or self._proc.poll() is not None:
+        """Stop Triton (SIGTERM, then SIGKILL after ``timeout_s``), or find it exited;
+        then remove the shared-memory pools it left."""
+        if self._proc is None:
             return
-        self._proc.send_signal(signal.SIGTERM)
-        try:
-            self._proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        for pool in SHM_DIR.glob(f"{self.shm_prefix}*"):
+            pool.unlink(missing_ok=True)
+
+    def shared_memory_pools(self) -> list[Path]:
+        """Its stubs' shared-memory pools (files in /dev/shm)."""
+        return sorted(SHM_DIR.glob(f"{self.shm_prefix}*"))
 
     def __enter__(self):
         return self.start() if self._proc is None else self
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def remove_orphaned_pools(directory: Path = SHM_DIR) -> list[str]:
+    """Remove the shared-memory pools of Tritons whose launcher is gone (they were
+    killed with it, or it was killed before it could remove them); their names."""
+    removed = []
+    for path in directory.glob(f"{SHM_PREFIX}-*"):
+        match = _SHM_NAME.match(path.name)
+        if match and not _alive(int(match.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    if removed:
+        log.info("removed %d shared-memory pools of dead Tritons", len(removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return True
 
 
 def dead_stubs(triton_pid: int) -> list[str]:

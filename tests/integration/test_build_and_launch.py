@@ -126,4 +126,20 @@ def test_each_python_stub_has_a_shared_memory_pool_that_a_burst_does_not_grow(tr
     pool_bytes = int(PYTHON_BACKEND_CONFIG["shm-default-byte-size"])
     assert pool_bytes >= 64 * 2**20
     for name in regions.values():
+        assert name.startswith(triton.shm_prefix)  # named to be removed (next test)
         assert os.stat(f"/dev/shm/{name}").st_size >= pool_bytes
+
+
+def test_a_killed_tritons_shared_memory_is_removed_by_its_launcher(built_repository):
+    """Triton removes its stubs' pools when it unloads; killed, it leaves them (64 MiB a
+    stub in tmpfs, that is memory) until its launcher's stop() finds it exited."""
+    server = TritonProcess(built_repository).start(timeout_s=180)
+    try:
+        pools = server.shared_memory_pools()
+        assert len(pools) >= 3, pools  # preprocessing, tensorrt_llm, postprocessing
+        os.kill(server.pid, signal.SIGKILL)
+        server._proc.wait(30)
+        assert all(pool.exists() for pool in pools)  # what a killed Triton leaves
+    finally:
+        server.stop()
+    assert not any(pool.exists() for pool in pools)
