@@ -60,7 +60,9 @@ PYTHON_BACKEND_CONFIG = {
 # out of time) leaves them: 64 MiB a stub, three or four stubs a Triton, held until the
 # node restarts (a test run here left 19 GiB). So each Triton's pools are named after
 # its launcher's pid (python_backend's shm-region-prefix-name): the launcher removes
-# them once its Triton has exited, and each launch removes those of dead launchers.
+# them once its Triton has exited, and each launch removes those of dead launchers
+# (which assumes that the processes sharing a /dev/shm share a pid namespace, as in the
+# shipped images: one container per pod or service launches Tritons).
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "tritonllm-triton"
 _SHM_NAME = re.compile(rf"^{SHM_PREFIX}-(\d+)-")
@@ -337,7 +339,7 @@ class TritonProcess:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        for pool in SHM_DIR.glob(f"{self.shm_prefix}*"):
+        for pool in self.shared_memory_pools():
             pool.unlink(missing_ok=True)
 
     def shared_memory_pools(self) -> list[Path]:
