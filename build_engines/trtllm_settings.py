@@ -44,6 +44,7 @@ CLI_OVERRIDES = (
     "max_seq_len",
     "dtype",
     "enable_chunked_context",
+    "stream_chunks_per_s",  # trtllm-pytorch's response thread (the C++ backend's ignore it)
 )
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 PLUGIN_DTYPES = ("auto", "float16", "bfloat16", "float32", "disable")

@@ -51,6 +51,12 @@ class EngineOptions:
     preprocessing_instance_count: int = 1
     dynamic_batching: DynamicBatching = field(default_factory=DynamicBatching)
 
+    def __post_init__(self):
+        if self.stream_chunks_per_s < 0:  # else Triton would refuse the model at load
+            raise ValueError(
+                f"--stream-chunks-per-s {self.stream_chunks_per_s}: give 0 (no budget) or more"
+            )
+
 
 @dataclass(frozen=True)
 class BuildSpec:

@@ -106,7 +106,7 @@ def test_cli_refuses_what_the_embeddings_server_cannot_run(embedding_copy, tmp_p
 
 
 def test_the_null_target_fills_the_torch_configs_with_the_null_engine(
-    built_repository, checkpoint_dir, tmp_path
+    built_repository, checkpoint_dir, tmp_path, capsys
 ):
     from build_engines.repository import ModelRepository
 
@@ -122,3 +122,5 @@ def test_the_null_target_fills_the_torch_configs_with_the_null_engine(
     config = copy.config_path("tensorrt_llm").read_text()
     assert 'key: "engine" value: { string_value: "torch" }' in config
     assert 'key: "stream_chunks_per_s" value: { string_value: "0.0" }' in config
+    assert main([*args, "--target", "torch", "--stream-chunks-per-s", "-5"]) == 2
+    assert "give 0 (no budget) or more" in capsys.readouterr().err

@@ -271,6 +271,8 @@ def test_the_shipped_config_is_valid_and_flags_override_it(tmp_path):
     assert (settings.max_batch_size, settings.dtype, settings.triton_batch) == (8, "float16", 8)
     chunked = load_settings(BuildSpec(model=None, overrides={"enable_chunked_context": True}))
     assert chunked.enable_chunked_context and chunked.paged_context_fmha
+    paced = load_settings(BuildSpec(model=None, overrides={"stream_chunks_per_s": 250}))
+    assert paced.stream_chunks_per_s == 250  # trtllm-pytorch's response thread
     with pytest.raises(SettingsError, match="num_threads apply to the torch target"):
         load_settings(BuildSpec(model=None, overrides={"num_threads": 2}))
     (tmp_path / "t.yaml").write_text("max_batch_size: 4\nmax_num_tokens: 4096\n")
