@@ -174,22 +174,27 @@ class ResponseThread:
             self._held[id(sink)] = [sink, item]
 
     def _deliver_due(self) -> float:
-        """Deliver the held items whose turn has come; when the next turn comes."""
+        """Deliver the held items whose turn has come; when the next turn comes.
+        ``_last_sent`` is ordered by time sent (``_deliver`` moves a request to its end)
+        and every request waits the same interval, so the scan stops at the first held
+        item not yet due instead of reading all of them at each wake."""
         if not self._held:
             return math.inf
         now, interval = time.monotonic(), self._interval_s()
-        next_due = math.inf
-        for key, (sink, item) in list(self._held.items()):
-            due = self._last_sent[key] + interval
-            if due <= now:
-                del self._held[key]
-                self._deliver(sink, item)
-            else:
-                next_due = min(next_due, due)
+        due, next_due = [], math.inf
+        for key, sent in self._last_sent.items():
+            if key in self._held:
+                if sent + interval > now:
+                    next_due = sent + interval
+                    break
+                due.append(key)
+        for key in due:
+            self._deliver(*self._held.pop(key))
         return next_due
 
     def _deliver(self, sink: Deliverable, item) -> None:
-        if self._chunks_per_s:
+        if self._chunks_per_s:  # moved to the end: the order _deliver_due reads
+            self._last_sent.pop(id(sink), None)
             self._last_sent[id(sink)] = time.monotonic()
         try:
             final = sink.deliver(item)
