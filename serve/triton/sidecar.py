@@ -1,14 +1,14 @@
 """The sidecar Triton host: the tritonserver binary as a child process, spoken to over gRPC.
 
-One ``stream_infer`` call per request (tritonclient's asyncio client): Triton
-closes the stream once the request's last response is out, which is how the end
-of a decoupled request shows without ``enable_empty_final_response`` (the
-asyncio client cannot set it), and a Triton error belongs to exactly one request.
+Every generation of an event loop travels on one long-lived gRPC stream
+(:mod:`serve.triton.shared_stream`): Triton stamps each response with its request's
+id and flags each request's last, so a Triton error belongs to exactly one request
+and the stream outlives it.
 
 Triton 2.51's ensemble does not pass a client's cancellation on to the
 ``tensorrt_llm`` step, so abandoning a generation sends that step a ``stop``
-request with the same request id (the engine frees the slot within a step) and
-reads the stream to its end.
+request with the same request id (the engine frees the slot within a step); the
+shared stream drops what else comes for it.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpc_aio
+from tritonclient.grpc import InferResult
 from tritonclient.utils import InferenceServerException
 
 from serve.generation import GenerateParams, GenerationChunk, GenerationError
 from serve.triton.client import infer_inputs
 from serve.triton.launcher import TritonProcess
 from serve.triton.requests import ENSEMBLE_ROUTE, Route, stop_inputs
+from serve.triton.shared_stream import SharedStream, StreamLost, infer_request
 from tritonllm import contract
 
 log = logging.getLogger(__name__)
@@ -40,36 +42,10 @@ _UNAVAILABLE = re.compile(r"queue is full|not ready|unavailable|shutting down|ca
 _INVALID = re.compile(r"must be|must hold|exceeds|is empty|not supported|invalid|outside|unknown")
 
 
-# How long an abandoned request's stream may take to end after its stop (a step or two).
+# How long an abandoned request's responses are waited for after its stop (a step or
+# two) before the shared stream forgets it, and how long closing the stream waits for
+# the requests on it.
 ABANDON_DRAIN_S = 10.0
-
-
-_END = object()
-
-
-class _StreamReader:
-    """A gRPC response stream read by a task of its own into a queue, so that a
-    cancelled consumer leaves the call alone (see ``SidecarHost.generate``)."""
-
-    def __init__(self, responses):
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self.task = asyncio.get_running_loop().create_task(self._pump(responses))
-
-    async def _pump(self, responses) -> None:
-        try:
-            async for item in responses:
-                self._queue.put_nowait(item)
-        except grpc.RpcError as error:
-            self._queue.put_nowait(error)
-        finally:
-            self._queue.put_nowait(_END)
-
-    async def next(self):
-        """The next ``(result, error)``, or ``_END``; raises the stream's own failure."""
-        item = await self._queue.get()
-        if isinstance(item, grpc.RpcError):
-            raise item
-        return item
 
 
 def classify(message: str) -> GenerationError:
@@ -109,6 +85,7 @@ class SidecarHost:
         self._start_timeout_s = start_timeout_s
         self._stopped = False
         self._clients: dict[asyncio.AbstractEventLoop, grpc_aio.InferenceServerClient] = {}
+        self._streams: dict[asyncio.AbstractEventLoop, SharedStream] = {}
         self._engine_steps: dict[str, str] = {}
         self._outputs: dict[str, frozenset[str]] = {}
         self._stub_death_logged = False
@@ -126,10 +103,13 @@ class SidecarHost:
         return not self._stopped and self.process.poll() is not None
 
     async def close(self) -> None:
-        """Close this event loop's gRPC channel."""
-        client = self._clients.pop(asyncio.get_running_loop(), None)
+        """Close this event loop's gRPC channels."""
+        loop = asyncio.get_running_loop()
+        client, stream = self._clients.pop(loop, None), self._streams.pop(loop, None)
         if client is not None:
             await client.close()
+        if stream is not None:
+            await stream.close(ABANDON_DRAIN_S)
 
     async def is_ready(self, model: str = contract.ENSEMBLE) -> bool:
         """Triton alive, each of its Python-backend stubs alive, and ``model`` ready
@@ -164,56 +144,30 @@ class SidecarHost:
         model = route.model
         declared = await self._declared_outputs(model)
         names = [name for name in route.outputs(params) if name in declared]
-        inputs = infer_inputs(route.inputs(params))
-
-        async def requests():
-            yield {
-                "model_name": model,
-                "inputs": inputs,
-                "outputs": [grpc_aio.InferRequestedOutput(name) for name in names],
-                "request_id": params.request_id,
-            }
-
-        # Read by a task of its own: when Serve cancels the replica's generator (the
-        # client went away), the cancellation must not reach the gRPC call. Triton 2.51
-        # keeps ~6 KiB of every cancelled stream for good (measured: 6.1-6.8 KiB per
-        # request, against ~0.3 KiB for streams read to their end; make soak shows it as
-        # tritonserver's resident memory growing); a stop ends the stream instead.
-        reader = _StreamReader(self._client().stream_infer(requests()))
-        responses = route.reader(params)
-        done = False
+        request = infer_request(model, route.inputs(params), params.request_id, names)
+        stream = self._stream()
+        responses = stream.submit(request)
+        reader = route.reader(params)
+        ended = False  # by Triton: the request's final response or its error
         try:
-            while (item := await reader.next()) is not _END:
-                result, error = item
-                if error is not None:
-                    if "is not healthy" in str(error.message()):  # a dead stub: say how
+            while (response := await responses.get()) is not None:
+                if isinstance(response, StreamLost):
+                    raise self._lost(str(response))
+                if response.error_message:
+                    ended = True
+                    if "is not healthy" in response.error_message:  # a dead stub: say how
                         self._stubs_died()
-                    raise classify(str(error.message()))
-                if result.get_response().outputs:  # an EOS's empty final response: none
+                    raise classify(response.error_message)
+                if response.infer_response.outputs:  # an EOS's empty final response: none
+                    result = InferResult(response.infer_response)
                     arrays = {name: result.as_numpy(name) for name in names}
-                    yield responses.chunk({k: v for k, v in arrays.items() if v is not None})
-            done = True
-            yield responses.end()
-        except grpc.RpcError as error:  # the stream itself broke
-            raise self._lost(error.details()) from None
+                    yield reader.chunk({k: v for k, v in arrays.items() if v is not None})
+            ended = True
+            yield reader.end()
         finally:
-            if not done:  # the caller went away (or Triton failed): free the engine
-                await asyncio.shield(self._abandon(reader, params.request_id, model))
-
-    async def _abandon(self, reader: _StreamReader, request_id: str, model: str) -> None:
-        """Stop the engine's sequence; the reader then reads the stream to its end.
-
-        Cancelling the gRPC stream instead would leave the ensemble's request in flight
-        for good in Triton 2.51 (its steps finish, the ensemble never does): an unload
-        of the ensemble, as multiplexing does, then waits forever. Only a stream that
-        does not end within ``ABANDON_DRAIN_S`` (a wedged Triton) is cancelled.
-        """
-        await self.cancel(request_id, model)
-        try:
-            await asyncio.wait_for(asyncio.shield(reader.task), ABANDON_DRAIN_S)
-        except asyncio.TimeoutError:
-            log.warning("request %s did not end after its stop: cancelling", request_id)
-            reader.task.cancel()
+            if not ended:  # the caller went away (or the stream broke): free the engine
+                stream.abandon(params.request_id, ABANDON_DRAIN_S)
+                await asyncio.shield(self.cancel(params.request_id, model))
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
@@ -222,7 +176,7 @@ class SidecarHost:
             raise _from_status(error) from None
         return {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
 
-    def _lost(self, details: str | None) -> GenerationError:
+    def _lost(self, details: str) -> GenerationError:
         """The gRPC stream failed: Triton died or is going away (retry elsewhere)."""
         state = "exited" if self.process.poll() is not None else "broke the stream"
         return GenerationError(f"Triton {state}: {details}", GenerationError.UNAVAILABLE)
@@ -303,3 +257,10 @@ class SidecarHost:
         if loop not in self._clients:
             self._clients[loop] = grpc_aio.InferenceServerClient(self.process.grpc_url)
         return self._clients[loop]
+
+    def _stream(self) -> SharedStream:
+        """This event loop's stream for generations."""
+        loop = asyncio.get_running_loop()
+        if loop not in self._streams:
+            self._streams[loop] = SharedStream(self.process.grpc_url)
+        return self._streams[loop]

@@ -199,6 +199,44 @@ def test_abandoning_a_generation_frees_the_engine(host):
     assert engine_metrics(host)[counter] - before < 100
 
 
+def test_concurrent_generations_keep_their_own_answers_errors_and_ends(host, tokenizer, hf_model):
+    """The sidecar carries all the generations of an event loop on one gRPC stream and
+    hands each response to its request by id: side by side, each request gets exactly
+    its own answer, an engine error reaches only its own request, and a caller that
+    goes away leaves the others streaming."""
+    prompts = {"Where is the river?": 5, "The cat": 17, "Tell me about the sea.": 30}
+
+    async def answer(params: GenerateParams, limit: int | None = None):
+        chunks = []
+        async with aclosing(host.generate(params)) as stream:
+            async for chunk in stream:
+                chunks.append(chunk)
+                if limit is not None and len(chunks) == limit:
+                    break
+        return chunks
+
+    async def side_by_side():
+        return await asyncio.gather(
+            *(answer(GenerateParams(p, n)) for p, n in prompts.items()),
+            answer(GenerateParams("The cat", 10**7)),  # the engine refuses it
+            answer(GenerateParams("The cat", 480, min_tokens=480), limit=2),  # left
+            return_exceptions=True,
+        )
+
+    *answers, refused, left = run(host, side_by_side)
+    for (prompt, max_tokens), chunks in zip(prompts.items(), answers, strict=True):
+        expected = hf_greedy(hf_model, tokenizer, prompt, max_tokens)
+        assert "".join(c.text for c in chunks) == tokenizer.decode(
+            expected, skip_special_tokens=True
+        )
+        assert chunks[-1].num_output_tokens == counted(expected, max_tokens)
+        assert chunks[-1].finish_reason is not None
+    assert isinstance(refused, GenerationError) and refused.kind == GenerationError.INVALID
+    assert "exceeds" in str(refused)
+    assert len(left) == 2
+    wait_for(lambda: engine_metrics(host)["tritonllm_engine_running_sequences"] == 0, 10)
+
+
 def test_metrics_and_the_repository_index(host):
     metrics = run(host, host.metrics)
     assert "nv_inference_request_success" in metrics
