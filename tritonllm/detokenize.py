@@ -16,6 +16,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from tritonllm import tokenization
+
 _INCOMPLETE = "\ufffd"
 
 
@@ -30,7 +32,7 @@ class IncrementalDetokenizer:
         self._read_offset = 0
 
     def _decode(self, tokens: list[int]) -> str:
-        return self._tokenizer.decode(tokens, skip_special_tokens=self._skip_special_tokens)
+        return tokenization.decode(self._tokenizer, tokens, self._skip_special_tokens)
 
     def add(self, new_tokens: Iterable[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tritonllm import tokenization
 from tritonllm.detokenize import StreamDetokenizers
 
 
@@ -33,6 +34,6 @@ def postprocess(
             if request_id and tokens_batch.shape[:2] == (1, 1):
                 text = streams.add(request_id, ids)
             else:
-                text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+                text = tokenization.decode(tokenizer, ids, skip_special_tokens)
             out[b, beam] = text.encode("utf-8")
     return out

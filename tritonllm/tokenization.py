@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,9 +19,57 @@ def load_tokenizer(tokenizer_dir: str):
     return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
 
 
+@functools.lru_cache(maxsize=16)
+def _rust_tokenizer(tokenizer):
+    """The ``tokenizers.Tokenizer`` under ``tokenizer`` where calling it directly can give
+    exactly what the tokenizer's own ``encode`` and ``decode`` give, else None.
+
+    Every prompt and streamed chunk is encoded or decoded on the token path, and
+    transformers' wrapper costs more than the Rust call it makes (one 30-token prompt:
+    56 us against 40; a 5-token decode: 3.7 us against 1.0). Its class must keep
+    transformers' own encode and decode, and decoding must clean up no spaces;
+    :func:`encode` also checks, at each call, what the wrapper would reset (truncation,
+    padding, the splitting of special tokens), since other callers may change it.
+    """
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    kind = type(tokenizer)
+    passes_on = (
+        isinstance(tokenizer, TokenizersBackend)
+        and kind.encode is PreTrainedTokenizerBase.encode
+        and kind.decode is PreTrainedTokenizerBase.decode
+        and kind._encode_plus is TokenizersBackend._encode_plus
+        and kind._decode is TokenizersBackend._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    )
+    return tokenizer.backend_tokenizer if passes_on else None
+
+
+def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``tokenizer.encode(text)``, through the Rust tokenizer where that is the same."""
+    rust = _rust_tokenizer(tokenizer)
+    if (
+        rust is None
+        or rust.truncation
+        or rust.padding
+        or rust.encode_special_tokens != bool(tokenizer.split_special_tokens)
+    ):
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return rust.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def decode(tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
+    """``tokenizer.decode(ids)``, through the Rust tokenizer where that is the same."""
+    rust = _rust_tokenizer(tokenizer)
+    if rust is None:
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return rust.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 def encode_prompt(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of ``text``; BOS is added by the tokenizer's own post-processor."""
-    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    ids = encode(tokenizer, text, add_special_tokens)
     if not ids:
         raise InvalidRequest("text_input is empty: the prompt must contain at least one token")
     return ids
@@ -38,7 +87,7 @@ def to_word_list(tokenizer, words: Sequence[str]) -> np.ndarray:
     for word in words:
         if not word:
             continue
-        ids = tokenizer.encode(word, add_special_tokens=False)
+        ids = encode(tokenizer, word, add_special_tokens=False)
         if not ids:
             continue
         flat_ids.extend(ids)

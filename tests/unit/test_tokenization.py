@@ -1,8 +1,18 @@
 import numpy as np
 import pytest
 
+from tritonllm import tokenization
 from tritonllm.preprocess import preprocess
 from tritonllm.tokenization import InvalidRequest, from_word_list, to_word_list
+
+TEXTS = [
+    "The cat sat on the mat.",
+    "  leading spaces, trailing spaces  ",
+    "日本語と emoji 🙂 and a split é",
+    "special tokens as text: <s> </s> <|endoftext|>",
+    "tabs\tand\nnewlines\r\n",
+    "",
+]
 
 
 def test_word_list_round_trip(tokenizer):
@@ -52,3 +62,34 @@ def test_preprocess_keeps_request_end_id_and_encodes_stop_words(tokenizer):
 def test_preprocess_rejects_non_positive_max_tokens(tokenizer, max_tokens):
     with pytest.raises(InvalidRequest, match="max_tokens must be > 0"):
         preprocess(tokenizer, np.array([[b"hi"]], dtype=object), np.array([[max_tokens]]))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_gives_the_tokenizers_own_ids(tokenizer, text, add_special_tokens):
+    assert tokenization._rust_tokenizer(tokenizer) is not None  # the fast path is taken
+    expected = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    assert tokenization.encode(tokenizer, text, add_special_tokens) == expected
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_gives_the_tokenizers_own_text(tokenizer, text, skip_special_tokens):
+    ids = [tokenizer.bos_token_id, *tokenizer.encode(text, add_special_tokens=False)]
+    ids.append(tokenizer.eos_token_id)
+    for end in range(len(ids) + 1):  # every prefix: split characters included
+        expected = tokenizer.decode(ids[:end], skip_special_tokens=skip_special_tokens)
+        assert tokenization.decode(tokenizer, ids[:end], skip_special_tokens) == expected
+
+
+def test_a_tokenizer_whose_wrapper_changes_the_result_is_called_through_it(checkpoint_dir):
+    cleaning = tokenization.load_tokenizer(str(checkpoint_dir))
+    cleaning.clean_up_tokenization_spaces = True
+    assert tokenization._rust_tokenizer(cleaning) is None
+    # Truncation set on the Rust tokenizer (as a call with truncation=True leaves it):
+    # transformers turns it off for a call that asks for none, and so must encode().
+    truncating = tokenization.load_tokenizer(str(checkpoint_dir))
+    truncating.backend_tokenizer.enable_truncation(max_length=2)
+    ids = tokenization.encode(truncating, TEXTS[0])
+    assert ids == tokenization.load_tokenizer(str(checkpoint_dir)).encode(TEXTS[0])
+    assert len(ids) > 2
