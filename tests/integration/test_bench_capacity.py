@@ -94,3 +94,16 @@ def _sockets(pid: int) -> dict[str, tuple[str, int]]:
         return listener_sockets(pid)
     except OSError:  # gone meanwhile
         return {}
+
+
+def test_the_replica_client_benchmark_reports_its_cpu_per_request():
+    command = [sys.executable, "-m", "bench.replica_client", "--concurrency", "4"]
+    command += ["--requests", "8", "--rounds", "2"]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rounds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(rounds) == 2
+    for figures in rounds:
+        assert figures["cpu_ms_per_request"] > 0 and figures["wall_s"] > 0
+        # 64 tokens in one chunk or more, then the chunk that ends the answer
+        assert 2 <= figures["chunks_per_request"] <= 65
