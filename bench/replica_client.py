@@ -9,8 +9,9 @@ own steps, as ``triton.pipeline: replica`` runs it), with no HTTP and no Serve.
 
 It starts a Triton over the null-engine repository (5 ms steps, as ``make
 bench-capacity``), then runs ``--requests`` generations of 64 tokens,
-``--concurrency`` at a time, in one event loop, and prints the process CPU per request
-and the wall time. To compare two checkouts, run it from each in turn, alternated::
+``--concurrency`` at a time, in one event loop, and prints the process CPU per request,
+the wall time, the text chunks per answer and the answers that were not 64 tokens
+(errors). To compare two checkouts, run it from each in turn, alternated::
 
     python -m bench.replica_client --rounds 3
 """
@@ -23,7 +24,8 @@ import json
 import time
 
 from bench.common import ROOT, build_bench_repository, make_prompts
-from serve.generation import GenerateParams
+from bench.loadgen import RequestRecord, run_level
+from serve.generation import GenerateParams, GenerationError
 from serve.triton.sidecar import SidecarHost
 from serve.triton.steps import ReplicaSteps
 from tritonllm import contract
@@ -31,26 +33,46 @@ from tritonllm import contract
 OUTPUT_LEN = 64
 
 
-async def one_round(host: SidecarHost, route: ReplicaSteps, prompts: list[str], concurrency: int):
-    todo = list(prompts)
-    chunks: list[int] = []
+class ReplicaClientTarget:
+    """``SidecarHost.generate`` over the replica's own steps, as a load generator's
+    target (``bench.loadgen``)."""
 
-    async def answer(prompt: str) -> int:
-        params = GenerateParams(prompt, OUTPUT_LEN, min_tokens=OUTPUT_LEN)
-        return sum([1 async for _ in host.generate(params, route)])
+    name = "replica client"
 
-    async def client() -> None:
-        while todo:
-            chunks.append(await answer(todo.pop()))
+    def __init__(self, host: SidecarHost, route: ReplicaSteps):
+        self._host, self._route = host, route
 
-    await asyncio.gather(*(answer(p) for p in prompts[:16]))  # warm-up
-    cpu, wall = time.process_time(), time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    async def request(self, prompt: str, output_len: int) -> RequestRecord:
+        record = RequestRecord(sent=time.perf_counter())
+        params = GenerateParams(prompt, output_len, min_tokens=output_len)
+        try:
+            async for chunk in self._host.generate(params, self._route):
+                if chunk.text:
+                    record.arrivals.append(time.perf_counter())
+                record.tokens = chunk.num_output_tokens
+        except GenerationError as error:
+            record.error = str(error)
+        record.end = time.perf_counter()
+        return record
+
+    async def aclose(self) -> None:
+        await self._host.close()
+
+
+async def one_round(target: ReplicaClientTarget, prompts: list[str], concurrency: int) -> dict:
+    try:
+        await run_level(target, prompts[:16], 16, OUTPUT_LEN)  # warm-up
+        cpu = time.process_time()
+        records, wall = await run_level(target, prompts, concurrency, OUTPUT_LEN)
+        cpu = time.process_time() - cpu
+    finally:
+        await target.aclose()
+    ok = [r for r in records if r.ok and r.tokens == OUTPUT_LEN]
     return {
-        "cpu_ms_per_request": round(1000 * cpu / len(prompts), 3),
+        "cpu_ms_per_request": round(1000 * cpu / len(records), 3),
         "wall_s": round(wall, 2),
-        "chunks_per_request": round(sum(chunks) / len(chunks), 2),
+        "chunks_per_request": round(sum(len(r.arrivals) for r in ok) / max(len(ok), 1), 2),
+        "errors": len(records) - len(ok),
     }
 
 
@@ -69,17 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     ).resolve()
     host = SidecarHost(repository).start()
     try:
-        route = ReplicaSteps.load(repository, contract.ENSEMBLE)
+        target = ReplicaClientTarget(host, ReplicaSteps.load(repository, contract.ENSEMBLE))
         prompts = make_prompts(args.requests, 24)
         for _ in range(args.rounds):
-
-            async def measured():
-                try:
-                    return await one_round(host, route, prompts, args.concurrency)
-                finally:
-                    await host.close()
-
-            print(json.dumps(asyncio.run(measured())), flush=True)
+            figures = asyncio.run(one_round(target, prompts, args.concurrency))
+            print(json.dumps(figures), flush=True)
     finally:
         host.stop()
     return 0

@@ -103,7 +103,7 @@ class _Stream:
     def _dispatch(self, response: service_pb2.ModelStreamInferResponse) -> None:
         request_id = response.infer_response.id
         request = self.requests.get(request_id)
-        if request is None:  # the rest of an abandoned request, after its drain time
+        if request is None:  # what comes after an error, or after an abandoned one's drain
             return
         ended = bool(response.error_message) or response.infer_response.parameters[FINAL].bool_param
         if not request.abandoned:
@@ -133,14 +133,13 @@ class SharedStream:
         self._stream.outgoing.put_nowait(request)
         return entry.responses
 
-    def abandon(self, request_id: str, drain_s: float) -> bool:
+    def abandon(self, request_id: str, drain_s: float) -> None:
         """Drop what else comes for a request its caller left (its stop is the caller's
-        to send); forget it after ``drain_s`` if its end never comes. Whether it was
-        still in flight."""
+        to send); forget it after ``drain_s`` if its end never comes."""
         stream = self._stream
         request = stream.requests.get(request_id) if stream else None
-        if request is None:
-            return False
+        if request is None:  # already ended, or its stream was lost
+            return
         request.abandoned = True
 
         def forget() -> None:
@@ -149,7 +148,6 @@ class SharedStream:
                 del stream.requests[request_id]
 
         asyncio.get_running_loop().call_later(drain_s, forget)
-        return True
 
     async def close(self, drain_s: float) -> None:
         """End the stream once its requests have ended (``drain_s`` at most), then close
