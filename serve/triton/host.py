@@ -44,9 +44,9 @@ class TritonHost(Protocol):
         self, params: GenerateParams, route: Route = ENSEMBLE_ROUTE
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the answer along ``route`` (the ensemble, or the engine step with the
-        replica's own tokenizing, :mod:`serve.triton.steps`): the text chunks, then one
-        empty chunk with the finish reason. Closing the iterator early stops the
-        generation in the engine."""
+        replica's own tokenizing, :mod:`serve.triton.steps`): the text chunks, the last
+        of them with the finish reason (an empty one where the last response held no
+        tokens). Closing the iterator early stops the generation in the engine."""
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One non-decoupled request (an embeddings model, say): named input arrays, batch

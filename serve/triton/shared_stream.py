@@ -14,20 +14,26 @@ flagged or not (Triton 2.51 leaves a core error, such as an unknown model, unfla
 checked on this repository's Triton). If the stream itself fails (Triton died), every
 request on it gets the failure, and the next request opens a new stream.
 
-Request messages are built here from numpy arrays, not through tritonclient's
-``InferInput`` objects: the same protobuf fields, without a Python object per tensor
-per request on the event loop.
+Request messages are built here from numpy arrays, and responses read back into them,
+not through tritonclient's ``InferInput`` and ``InferResult`` objects: the same
+protobuf fields, without a Python object per tensor per message on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
-from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
+from tritonclient.utils import (
+    deserialize_bytes_tensor,
+    np_to_triton_dtype,
+    serialize_byte_tensor,
+    triton_to_np_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,23 @@ def infer_request(
         request.outputs.add(name=name)
     request.parameters["triton_enable_empty_final_response"].bool_param = True
     return request
+
+
+def response_arrays(response: service_pb2.ModelInferResponse) -> dict[str, np.ndarray]:
+    """A response's outputs by name, decoded as tritonclient's ``InferResult.as_numpy``
+    decodes them (Triton sends every output in ``raw_output_contents``), in one pass
+    over them; the arrays are read-only views of the message's bytes."""
+    arrays = {}
+    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+        if tensor.datatype == "BYTES":
+            array = deserialize_bytes_tensor(raw)
+        else:
+            array = np.frombuffer(raw, dtype=_numpy_dtype(tensor.datatype))
+        arrays[tensor.name] = array.reshape(tensor.shape)
+    return arrays
+
+
+_numpy_dtype = functools.lru_cache(maxsize=None)(triton_to_np_dtype)
 
 
 class _Request:

@@ -23,14 +23,19 @@ from pathlib import Path
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpc_aio
-from tritonclient.grpc import InferResult
 from tritonclient.utils import InferenceServerException
 
 from serve.generation import GenerateParams, GenerationChunk, GenerationError
 from serve.triton.client import infer_inputs
 from serve.triton.launcher import TritonProcess
 from serve.triton.requests import ENSEMBLE_ROUTE, Route, stop_inputs
-from serve.triton.shared_stream import SharedStream, StreamLost, infer_request
+from serve.triton.shared_stream import (
+    FINAL,
+    SharedStream,
+    StreamLost,
+    infer_request,
+    response_arrays,
+)
 from tritonllm import contract
 
 log = logging.getLogger(__name__)
@@ -140,7 +145,9 @@ class SidecarHost:
     async def generate(
         self, params: GenerateParams, route: Route = ENSEMBLE_ROUTE
     ) -> AsyncIterator[GenerationChunk]:
-        """Stream the answer's chunks, then one empty chunk with the finish reason."""
+        """Stream the answer's chunks; the last one carries the finish reason (Triton's
+        final response and the end of the answer in one chunk: one event less per
+        stream downstream)."""
         model = route.model
         declared = await self._declared_outputs(model)
         names = [name for name in route.outputs(params) if name in declared]
@@ -158,10 +165,16 @@ class SidecarHost:
                     if "is not healthy" in response.error_message:  # a dead stub: say how
                         self._stubs_died()
                     raise classify(response.error_message)
-                if response.infer_response.outputs:  # an EOS's empty final response: none
-                    result = InferResult(response.infer_response)
-                    arrays = {name: result.as_numpy(name) for name in names}
-                    yield reader.chunk({k: v for k, v in arrays.items() if v is not None})
+                answer = response.infer_response
+                final = answer.parameters[FINAL].bool_param
+                if not answer.outputs:  # an EOS's empty final response
+                    continue
+                chunk = reader.chunk(response_arrays(answer))
+                if final:  # the last tokens and the finish reason: one chunk, one event
+                    ended = True
+                    yield chunk.merged(reader.end())
+                    return
+                yield chunk
             ended = True
             yield reader.end()
         finally:
