@@ -16,7 +16,6 @@ import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import StreamingResponse
 
 from serve.api.auth import require_api_key
 from serve.api.backend import Backend
@@ -41,6 +40,8 @@ from serve.api.responses import (
     EmbeddingList,
     EmbeddingUsage,
     Endpoint,
+    EventStream,
+    LastEvents,
     ModelCard,
     ModelList,
     Usage,
@@ -198,8 +199,7 @@ async def _respond(
         await _shaped(first, rest, p, echo, body.include_stop_str_in_output)
         for (first, rest), p, echo in zip(starts, params, echoes, strict=True)
     ]
-    events = _events(body, starts, endpoint, head, log_probs, syntax)
-    return StreamingResponse(events, media_type="text/event-stream")
+    return EventStream(_events(body, starts, endpoint, head, log_probs, syntax))
 
 
 class _LogProbs:
@@ -260,15 +260,19 @@ def _finish(reason: str | None, calls) -> str | None:
 async def _events(
     body: SamplingFields, starts, endpoint: Endpoint, head: dict, log_probs, syntax=None
 ):
-    """The SSE events of started choices: chunks as they come, the usage chunk, [DONE]."""
+    """The SSE events of started choices: chunks as they come, the usage chunk, [DONE].
+
+    Events that are ready together leave together (one write each time): the
+    openings with the first chunk, the last choice's final chunk with the usage and
+    [DONE], as :class:`LastEvents`."""
     event = ChunkEvents(endpoint, head)
 
     lasts = [first for first, _ in starts]
     parsers = [ToolCallParser(syntax) for _ in starts] if syntax else None
+    held = [event([opening]) for opening in endpoint.openings(len(starts))]
+    finished = 0
     failure = None
     try:
-        for opening in endpoint.openings(len(starts)):
-            yield event([opening])
         async for index, chunk in merge(starts):
             lasts[index] = chunk
             if chunk.text or chunk.finish_reason or (log_probs and chunk.token_ids):
@@ -281,17 +285,21 @@ async def _events(
                 else:
                     shaped_choice = _call_chunk(parsers[index], index, chunk, shaped)
                 if shaped_choice is not None:
-                    yield event([shaped_choice], usage)
+                    held.append(event([shaped_choice], usage))
+            finished += bool(chunk.finish_reason)
+            if held and finished < len(starts):  # else the stream's end follows at once
+                yield "".join(held)
+                held.clear()
     except APIError as error:  # mid-stream: an error event, never a cut stream
         failure = error
     except Exception:
         log.exception("stream %s failed after its first byte", head["id"])
         failure = InternalError("internal server error; see the server log")
     if body.include_usage:  # what was generated, also when the stream failed
-        yield event([], Usage.of(lasts))
+        held.append(event([], Usage.of(lasts)))
     if failure is not None:
-        yield sse(failure.body())
-    yield sse("[DONE]")
+        held.append(sse(failure.body()))
+    yield LastEvents("".join([*held, sse("[DONE]")]))
 
 
 def _call_chunk(parser: ToolCallParser, index: int, chunk, log_probs) -> ChatChunkChoice | None:

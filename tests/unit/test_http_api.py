@@ -7,6 +7,7 @@ tests/integration/test_serve_app.py and test_production.py.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import functools
@@ -198,6 +199,76 @@ def test_an_error_mid_stream_ends_with_an_error_event_and_done():
     assert json.loads(lines[0][6:])["choices"][0]["text"] == " a"
     assert json.loads(lines[-2][6:])["error"]["message"] == "replica lost"
     assert lines[-1] == "data: [DONE]"
+
+
+async def _asgi_messages(app, path: str, body: dict) -> list[dict]:
+    """What the app sends for one request, ASGI message by message: each body message
+    is one write to the socket."""
+    payload = json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    received = [{"type": "http.request", "body": payload, "more_body": False}]
+    done = asyncio.Event()
+    sent = []
+
+    async def receive():
+        if received:
+            return received.pop()
+        await done.wait()  # the disconnect listener waits here until the answer ended
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            done.set()
+
+    await app(scope, receive, send)
+    return sent
+
+
+def test_a_stream_sends_its_openings_with_the_first_chunk_and_its_end_in_one_write():
+    body = {
+        "model": "llm",
+        "messages": [{"role": "user", "content": "one two three"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    messages = asyncio.run(_asgi_messages(create_app(FakeBackend()), "/v1/chat/completions", body))
+    assert messages[0]["type"] == "http.response.start" and messages[0]["status"] == 200
+    writes = [m["body"].decode() for m in messages[1:]]
+    assert [m["more_body"] for m in messages[1:]] == [True, True, True, False]
+    first = [json.loads(e[6:]) for e in writes[0].removesuffix("\n\n").split("\n\n")]
+    assert [e["choices"][0]["delta"] for e in first] == [
+        {"role": "assistant", "content": ""},
+        {"content": " one"},
+    ]
+    *events, done = writes[-1].removesuffix("\n\n").split("\n\n")
+    last, usage = (json.loads(e[6:]) for e in events)
+    assert last["choices"][0]["finish_reason"] == "stop"
+    assert usage["usage"]["completion_tokens"] == 3
+    assert done == "data: [DONE]"
+
+
+def test_an_error_mid_stream_goes_out_with_the_end_of_the_stream():
+    backend = FakeBackend(fail_after=1, error=Overloaded("replica lost"))
+    body = {"model": "llm", "prompt": "a b c", "stream": True}
+    messages = asyncio.run(_asgi_messages(create_app(backend), "/v1/completions", body))
+    assert [m.get("more_body") for m in messages[1:]] == [True, False]
+    error, done = messages[-1]["body"].decode().removesuffix("\n\n").split("\n\n")
+    assert json.loads(error[6:])["error"]["message"] == "replica lost"
+    assert done == "data: [DONE]"
 
 
 def test_an_error_before_the_first_chunk_is_the_http_status():
