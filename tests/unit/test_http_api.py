@@ -201,9 +201,10 @@ def test_an_error_mid_stream_ends_with_an_error_event_and_done():
     assert lines[-1] == "data: [DONE]"
 
 
-async def _asgi_messages(app, path: str, body: dict) -> list[dict]:
+async def _asgi_messages(app, path: str, body: dict, leave_after: int | None = None) -> list:
     """What the app sends for one request, ASGI message by message: each body message
-    is one write to the socket."""
+    is one write to the socket. With ``leave_after``, the client disconnects once that
+    many messages came."""
     payload = json.dumps(body).encode()
     scope = {
         "type": "http",
@@ -233,6 +234,8 @@ async def _asgi_messages(app, path: str, body: dict) -> list[dict]:
         sent.append(message)
         if message["type"] == "http.response.body" and not message.get("more_body"):
             done.set()
+        if leave_after is not None and len(sent) >= leave_after:
+            done.set()  # the client goes away
 
     await app(scope, receive, send)
     return sent
@@ -259,6 +262,39 @@ def test_a_stream_sends_its_openings_with_the_first_chunk_and_its_end_in_one_wri
     assert last["choices"][0]["finish_reason"] == "stop"
     assert usage["usage"]["completion_tokens"] == 3
     assert done == "data: [DONE]"
+
+
+class EndlessBackend(FakeBackend):
+    """Streams a word, then waits for ever (an engine still generating); says when
+    its stream was closed."""
+
+    def __init__(self):
+        super().__init__()
+        self.closed = asyncio.Event()
+
+    async def _chunks(self, params):
+        try:
+            yield GenerationChunk(" first", 1, 1)
+            await asyncio.Event().wait()
+        finally:
+            self.closed.set()
+
+
+def test_a_client_that_leaves_mid_stream_closes_the_answer_and_the_app_returns():
+    backend = EndlessBackend()
+    body = {"model": "llm", "prompt": "a b c", "stream": True}
+
+    async def scenario():
+        app = create_app(backend)
+        messages = await asyncio.wait_for(
+            _asgi_messages(app, "/v1/completions", body, leave_after=2), 10
+        )
+        return messages, backend.closed.is_set()
+
+    messages, closed = asyncio.run(scenario())
+    assert closed  # the generation upstream was stopped
+    assert [m["type"] for m in messages] == ["http.response.start", "http.response.body"]
+    assert b" first" in messages[1]["body"]
 
 
 def test_an_error_mid_stream_goes_out_with_the_end_of_the_stream():
