@@ -15,7 +15,7 @@ import logging
 import uuid
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from serve.api.answer import (
@@ -51,7 +51,7 @@ from serve.api.messages_schemas import (
     Usage,
 )
 from serve.api.prepare import BackendDep, chat_turn
-from serve.api.responses import one_line
+from serve.api.responses import EventStream, one_line
 
 log = logging.getLogger("ray.serve")
 
@@ -67,7 +67,7 @@ async def create_message(body: MessagesRequest, request: Request, backend: Backe
         return JSONResponse(_message(message_id, turn.served, answer).model_dump())
     events = await start_answer(backend, turn)
     stream = _stream(message_id, turn.served, events)
-    return StreamingResponse(stream, media_type="text/event-stream")
+    return EventStream(stream)
 
 
 def tool_use_id(call_id: str) -> str:

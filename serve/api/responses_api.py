@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from typing import get_args
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from serve.api.answer import (
@@ -36,7 +35,7 @@ from serve.api.backend import Backend
 from serve.api.errors import APIError, InternalError, NotFound, TooLarge
 from serve.api.prepare import BackendDep, ChatTurn, chat_turn
 from serve.api.response_store import RecordTooLarge
-from serve.api.responses import json_response, one_line
+from serve.api.responses import EventStream, json_response, one_line
 from serve.api.responses_schemas import (
     IncompleteDetails,
     Response,
@@ -87,7 +86,7 @@ async def create_response(body: ResponsesRequest, request: Request, backend: Bac
         return json_response(response)
     events = await start_answer(backend, turn)
     stream = _events(backend, draft, events, history)
-    return StreamingResponse(stream, media_type="text/event-stream")
+    return EventStream(stream)
 
 
 @responses_router.get("/v1/responses/{response_id}")
