@@ -33,6 +33,10 @@ def _scalar_column(values: np.ndarray | None, batch: int, default: int) -> np.nd
 
 
 def _word_lists(tokenizer, values: np.ndarray | None, batch: int) -> np.ndarray:
+    if values is None:  # the common case: "no words", [[0], [-1]], for every request
+        out = np.zeros((batch, 2, 1), dtype=np.int32)
+        out[:, 1, :] = -1
+        return out
     rows = [
         tokenization.to_word_list(
             tokenizer, tokenization.decode_words(None if values is None else values[i])
@@ -72,8 +76,9 @@ def preprocess(
         raise InvalidRequest(
             f"max_tokens must be > 0, got {int(output_len.min())}: ask for at least one token"
         )
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id  # each a lookup by name
+    eos = -1 if eos is None else eos
+    pad = eos if pad is None else pad
     end_ids = _scalar_column(end_id, batch, eos)
     pad_ids = _scalar_column(pad_id, batch, pad)
 

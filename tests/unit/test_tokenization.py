@@ -43,6 +43,9 @@ def test_preprocess_adds_bos_and_fills_end_and_pad_from_the_tokenizer(tokenizer)
     assert out["REQUEST_INPUT_LEN"].tolist() == [[len(ids)]]
     assert out["OUT_END_ID"].tolist() == [[tokenizer.eos_token_id]]
     assert out["OUT_PAD_ID"].tolist() == [[tokenizer.pad_token_id]]
+    for name in ("BAD_WORDS_IDS", "STOP_WORDS_IDS"):  # none sent: "no words"
+        assert out[name].dtype == np.int32
+        assert out[name].tolist() == [to_word_list(tokenizer, []).tolist()]
 
 
 def test_preprocess_keeps_request_end_id_and_encodes_stop_words(tokenizer):
