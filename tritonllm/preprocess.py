@@ -38,9 +38,7 @@ def _word_lists(tokenizer, values: np.ndarray | None, batch: int) -> np.ndarray:
         out[:, 1, :] = -1
         return out
     rows = [
-        tokenization.to_word_list(
-            tokenizer, tokenization.decode_words(None if values is None else values[i])
-        )
+        tokenization.to_word_list(tokenizer, tokenization.decode_words(values[i]))
         for i in range(batch)
     ]
     width = max(r.shape[1] for r in rows)

@@ -458,7 +458,10 @@ class EventStream(StreamingResponse):
         except asyncio.CancelledError:
             if not state["client_left"]:
                 raise
-            stream.uncancel()  # the client's leaving ends the response, as in Starlette
+            # The client's leaving ends the response, as in Starlette; the cancel was
+            # ours, so it is taken back (Task.uncancel: Python 3.11 on).
+            if hasattr(stream, "uncancel"):
+                stream.uncancel()
         finally:
             state["streaming"] = False  # before any await: the watcher cannot cancel now
             watcher.cancel()
