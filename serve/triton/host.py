@@ -45,8 +45,9 @@ class TritonHost(Protocol):
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the answer along ``route`` (the ensemble, or the engine step with the
         replica's own tokenizing, :mod:`serve.triton.steps`): the text chunks, the last
-        of them with the finish reason (an empty one where the last response held no
-        tokens). Closing the iterator early stops the generation in the engine."""
+        of them with the finish reason (the sidecar: with the tokens of Triton's final
+        response where it holds any; the in-process host: an empty one). Closing the
+        iterator early stops the generation in the engine."""
 
     async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One non-decoupled request (an embeddings model, say): named input arrays, batch
