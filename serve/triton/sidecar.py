@@ -187,7 +187,7 @@ class SidecarHost:
             result = await self._client().infer(model, infer_inputs(inputs))
         except InferenceServerException as error:
             raise _from_status(error) from None
-        return {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
+        return response_arrays(result.get_response())
 
     def _lost(self, details: str) -> GenerationError:
         """The gRPC stream failed: Triton died or is going away (retry elsewhere)."""
