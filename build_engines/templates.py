@@ -9,7 +9,7 @@ are replaced, and ``${inputs}`` / ``${outputs}`` are rendered from
 from __future__ import annotations
 
 import string
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -89,14 +89,16 @@ def fill(
     values: dict[str, object],
     tensorrtllm: bool = False,
     ragged: bool = False,
-    engine_extensions: bool = True,
+    engine_extensions: Collection[contract.Tensor] | None = None,
 ) -> str:
-    """``template`` filled for ``model``. ``engine_extensions=False``: without our
-    tensors of the tensorrt_llm step (a TensorRT-LLM backend there has none)."""
+    """``template`` filled for ``model``. ``engine_extensions``: which of our tensors of
+    the tensorrt_llm step the engine there serves (None: all, the torch engine's; a
+    TensorRT-LLM backend has none)."""
     inputs, outputs = contract.ALL_MODELS[model]
-    if not engine_extensions:
-        inputs = [t for t in inputs if not t.engine_extension]
-        outputs = [t for t in outputs if not t.engine_extension]
+    if engine_extensions is not None:
+        served = set(engine_extensions)
+        inputs = [t for t in inputs if not t.engine_extension or t in served]
+        outputs = [t for t in outputs if not t.engine_extension or t in served]
     mapping = {
         "inputs": render_tensors("input", inputs, tensorrtllm, ragged),
         "outputs": render_tensors("output", outputs, tensorrtllm),

@@ -110,16 +110,24 @@ class GenerationChunk:
     num_output_tokens: int
     cum_log_prob: float | None = None
     finish_reason: str | None = None  # "stop" | "length" on the last chunk
-    # With ``return_log_probs``: the new tokens' ids and each one's log probability.
+    # The new tokens' ids (never the end token, which no text holds) and, with
+    # ``return_log_probs``, each one's log probability. On the last chunk of an answer
+    # the end token ended, its log probability follows theirs, one entry beyond
+    # ``token_ids`` (:attr:`logs_end_token`), as vLLM's answer lists it.
     token_ids: tuple[int, ...] = ()
     token_log_probs: tuple[float, ...] = ()
-    # With ``top_log_probs``: each new token's alternatives, most likely first.
+    # With ``top_log_probs``: each logged token's alternatives, most likely first.
     top_log_probs: tuple[TopLogProbs, ...] = ()
     # With ``prompt_log_probs``, on the first chunk only: the prompt's ids, each one's
     # log probability (None for the first token: nothing comes before it) and its
     # alternatives.
     prompt: PromptLogProbs | None = None
     num_cached_tokens: int = 0  # prompt tokens read from the engine's prefix cache
+
+    @property
+    def logs_end_token(self) -> bool:
+        """The end token ended the answer and its log probability is the last one."""
+        return len(self.token_log_probs) > len(self.token_ids)
 
     def merged(self, later: GenerationChunk) -> GenerationChunk:
         """One chunk for this one and the ``later`` one of the same answer (OpenAI's

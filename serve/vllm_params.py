@@ -11,8 +11,9 @@ Coming back, vLLM's ``RequestOutput`` deltas (``RequestOutputKind.DELTA``) as
 ``GenerationChunk``s, in the Triton path's terms: log probabilities are the model's
 own (vLLM's default ``logprobs_mode``, ``raw_logprobs``: before temperature,
 penalties and logit_bias, as the torch engine computes them), alternatives are exactly
-the ``k`` most likely tokens, and the end token is counted (vLLM counts it) but not
-returned (TensorRT-LLM leaves it out of output_ids, and so does the torch engine).
+the ``k`` most likely tokens, and the end token is counted and its log probability
+kept, but it is not among the tokens (TensorRT-LLM leaves it out of output_ids, and so
+does the torch engine): ``GenerationChunk.logs_end_token``.
 """
 
 from __future__ import annotations
@@ -94,21 +95,17 @@ class ChunkReader:
         self.generated += len(completion.token_ids)
         positions = completion.logprobs  # None unless log probabilities were asked
         steps = [] if positions is None else list(zip(completion.token_ids, positions, strict=True))
-        cum = completion.cumulative_logprob
         ended_by_end_token = completion.finish_reason == "stop" and completion.stop_reason is None
         ids = list(completion.token_ids)
         if ended_by_end_token and ids:
-            # vLLM returns the end token (its ids, log probabilities and cumulative log
-            # probability hold it); the Triton path counts it only, as TensorRT-LLM.
+            # vLLM returns the end token among its ids; the Triton path leaves it out, as
+            # TensorRT-LLM does, and keeps its log probability after the others.
             ids.pop()
-            if steps:
-                end, position = steps.pop()
-                cum = None if cum is None else cum - position[end].logprob
         return GenerationChunk(
             text=completion.text,
             num_input_tokens=len(output.prompt_token_ids or ()),
             num_output_tokens=self.generated,
-            cum_log_prob=cum,
+            cum_log_prob=completion.cumulative_logprob,
             finish_reason=completion.finish_reason if output.finished else None,
             num_cached_tokens=output.num_cached_tokens or 0,
             token_ids=tuple(ids),  # always: a lost replica's answer resumes from them

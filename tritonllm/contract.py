@@ -105,10 +105,16 @@ _ENGINE_EXTENSION_OUTPUTS = (
 )
 
 # The finish_reason output's codes: TensorRT-LLM's (its executor's FinishReason), each
-# with the API's word for it. The torch engine sends 1 for every stop (the end token, a
-# stop word, a guide completed), 3 at max_tokens, 5 for a stopped request.
+# with the API's word for it. The torch engine sends END_ID for the end token, STOP_WORDS
+# for a stop word or a completed guide, 3 at max_tokens, 5 for a stopped request.
+FINISH_END_ID, FINISH_STOP_WORDS = 1, 2
 FINISH_REASONS = {1: "stop", 2: "stop", 3: "length", 4: "length", 5: "cancelled"}
-FINISH_REASON_CODES = {"stop": 1, "length": 3, "cancelled": 5}
+FINISH_REASON_CODES = {"stop": FINISH_STOP_WORDS, "length": 3, "cancelled": 5}
+# The end token is counted (num_output_tokens) but never in output_ids, as TensorRT-LLM
+# leaves it out. Its log probability is not lost: on a last response whose finish_reason
+# is FINISH_END_ID, output_log_probs (and top_log_probs, top_token_ids) hold one entry
+# more than output_ids, the end token's, as vLLM's answer holds it (evaluation harnesses
+# read it). A repository without finish_reason (TensorRT-LLM's) never sends it.
 
 # TensorRT-LLM's guided decoding inputs (its names and shapes, on the ensemble and the
 # tensorrt_llm step alike) and its guide types (tritonllm/guided.py compiles them).

@@ -212,9 +212,12 @@ class OutputTracker:
         if self.done:
             return None, False
         tokens = list(token_ids)
-        cut = self._stop_at(tokens)
+        cut, by_end_id = self._stop_at(tokens)
         abort = False
+        end = None  # the end token's id, where it ended the answer and is logged
         if cut is not None:
+            if by_end_id and len(logprobs or ()) > cut:
+                end = tokens[cut]
             tokens, abort, finished, finish_reason = tokens[:cut], not finished, True, "stop"
         elif len(tokens) >= self.request.max_tokens:
             tokens, finished = tokens[: self.request.max_tokens], True
@@ -222,33 +225,42 @@ class OutputTracker:
         if finished:
             self.done = True
             reason = _FINISH_REASONS.get(finish_reason or "stop", "stop")
-            return self._chunk(tokens, logprobs, reason), abort
+            return self._chunk(tokens, logprobs, reason, end), abort
         if not self.request.streaming or len(tokens) == self.sent:
             return None, False
         return self._chunk(tokens, logprobs, None), False
 
-    def _stop_at(self, tokens: list[int]) -> int | None:
-        """Where the answer ends: after a stop word (kept, as the torch engine keeps it)
-        or before the end id (never part of the answer)."""
+    def _stop_at(self, tokens: list[int]) -> tuple[int | None, bool]:
+        """Where the answer ends, and whether the end id ended it: after a stop word
+        (kept, as the torch engine keeps it) or before the end id (never part of the
+        answer)."""
         request = self.request
         for i in range(self.checked, len(tokens)):  # each token once, however long
             if request.end_id is not None and tokens[i] == request.end_id:
-                return i
+                return i, True
             for word in request.stop_words:
                 if len(word) <= i + 1 and tuple(tokens[i + 1 - len(word) : i + 1]) == word:
-                    return i + 1
+                    return i + 1, False
         self.checked = len(tokens)
-        return None
+        return None, False
 
-    def _chunk(self, tokens: list[int], logprobs, reason: str | None) -> GenerationChunk:
+    def _chunk(
+        self, tokens: list[int], logprobs, reason: str | None, end: int | None = None
+    ) -> GenerationChunk:
+        """The chunk of ``tokens`` (all the answer's so far); ``end``: the end token,
+        which ended it, whose log probability the LLM API returned: counted and logged
+        last (the tensor contract's FINISH_END_ID), never among the tokens."""
+        logged = tokens + ([end] if end is not None else [])
         if self.request.streaming:  # only the new tokens' log probabilities are read
             new = tokens[self.sent :]
-            new_log_probs = _token_log_probs(new, (logprobs or [])[self.sent : len(tokens)])
+            new_log_probs = _token_log_probs(
+                logged[self.sent :], (logprobs or [])[self.sent : len(logged)]
+            )
             self.sent = len(tokens)
             self.cum_log_prob += sum(new_log_probs)
             cum = self.cum_log_prob
         else:
-            new_log_probs = _token_log_probs(tokens, logprobs)
+            new_log_probs = _token_log_probs(logged, logprobs)
             cum = sum(new_log_probs)
             prompt = [] if self.request.exclude_input_in_output else list(self.request.input_ids)
             new = prompt + tokens
@@ -257,9 +269,10 @@ class OutputTracker:
             log_probs=new_log_probs,
             cum_log_prob=float(cum),
             num_input_tokens=len(self.request.input_ids),
-            num_output_tokens=len(tokens),
+            num_output_tokens=len(logged),
             finished=reason is not None,
             finish_reason=reason,
+            ended_by_end_id=end is not None,
         )
 
 

@@ -250,6 +250,6 @@ def fill_configs(
             model_values,
             tensorrtllm=model == contract.TENSORRT_LLM,
             ragged=model in RAGGED,
-            engine_extensions=False,
+            engine_extensions=(),
         )
         repo.config_path(model).write_text(text)

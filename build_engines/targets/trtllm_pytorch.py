@@ -37,6 +37,10 @@ from tritonllm.llmapi import OPTIONS_FILE
 
 # The LLM API on the PyTorch backend is TensorRT-LLM's default from 1.0 on.
 MIN_VERSION = (1, 0)
+# Of our tensors of the contract, those the LLM API adapter serves: why a sequence ended
+# (with its end token's log probability, where the LLM API returns it); it has no
+# alternatives, prompt log probabilities or cache count to give.
+EXTENSIONS = (contract.FINISH_REASON,)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -145,6 +149,6 @@ def fill_configs(
     for model, model_values in values.items():
         template = repo.template_path(model, TrtllmPytorchTarget.name)
         text = templates.fill(
-            template, model, model_values, ragged=model in RAGGED, engine_extensions=False
+            template, model, model_values, ragged=model in RAGGED, engine_extensions=EXTENSIONS
         )
         repo.config_path(model).write_text(text)

@@ -14,6 +14,7 @@ import numpy as np
 
 from serve.api.response_store import ResponseStore
 from serve.api.sampling import SamplingDefaults
+from serve.api.token_texts import TokenTexts
 from serve.config import AppConfig, ModelConfig
 from serve.generation import GenerateParams, GenerationChunk
 
@@ -37,8 +38,9 @@ class Backend(Protocol):
     def vocab_size(self, model: ModelConfig) -> int:
         """How many token ids the model's tokenizer knows (a token-id prompt's bound)."""
 
-    def token_texts(self, model: ModelConfig, token_ids: tuple[int, ...]) -> list[str]:
-        """Each token's own text (a ``logprobs`` answer names its tokens)."""
+    def token_texts(self, model: ModelConfig) -> TokenTexts:
+        """The model's tokens as text (a ``logprobs`` answer names its tokens and says
+        where each starts)."""
 
     def serves_alternatives(self, model: ModelConfig) -> bool:
         """Whether the model's engine returns top-k alternatives and the prompt's log

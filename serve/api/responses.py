@@ -16,7 +16,6 @@ nested parts are given as dicts where that saves building a model per token.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import time
 import uuid
@@ -237,6 +236,7 @@ class Endpoint:
     routes hold one (:data:`CHAT`, :data:`COMPLETIONS`) and never ask which it is."""
 
     id_prefix: str
+    text_offsets: bool = False  # whether its logprobs say where each token starts
 
     def head(self, model: str) -> dict[str, Any]:
         """The id, creation time and model every response and chunk of a request share."""
@@ -260,8 +260,11 @@ class Endpoint:
         """The choices of the chunks a stream opens with, before any text."""
         raise NotImplementedError
 
-    def logprobs(self, tokens: list[str], log_probs, alternatives, offset: int) -> BaseModel:
-        """``logprobs`` of ``tokens``; the first starts at ``offset`` in the choice's text."""
+    def logprobs(
+        self, tokens: list[str], log_probs, alternatives, offsets: list[int] | None = None
+    ) -> BaseModel:
+        """``logprobs`` of ``tokens``, which start at ``offsets`` in the choice's text
+        (given where ``text_offsets``)."""
         raise NotImplementedError
 
     def answer(self, head: dict[str, Any], choices: list, usage: Usage) -> BaseModel:
@@ -277,6 +280,7 @@ class CompletionsEndpoint(Endpoint):
     """/v1/completions: ``cmpl-`` ids, ``text_completion`` objects, whole and streamed."""
 
     id_prefix = "cmpl"
+    text_offsets = True
 
     def choice(self, index, text, finish_reason, logprobs=None) -> CompletionChoice:
         return CompletionChoice(
@@ -289,12 +293,15 @@ class CompletionsEndpoint(Endpoint):
         return []
 
     def logprobs(
-        self, tokens: list[str], log_probs, alternatives: list[Alternatives | None], offset: int
+        self,
+        tokens: list[str],
+        log_probs,
+        alternatives: list[Alternatives | None],
+        offsets: list[int] | None = None,
     ) -> CompletionLogProbs:
         """Each token with its offset and its ``top_logprobs``: the alternatives and, as
         vLLM and OpenAI do, the chosen token (so ``logprobs: 0`` lists the chosen token
         alone); None in both lists for a prompt's first token."""
-        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
         tops = [
             None if top is None else {**dict(top), token: p}
             for token, p, top in zip(tokens, log_probs, alternatives, strict=True)
@@ -303,7 +310,7 @@ class CompletionsEndpoint(Endpoint):
             tokens=tokens,
             token_logprobs=log_probs,
             top_logprobs=tops,
-            text_offset=offsets if tokens else [],
+            text_offset=offsets,
         )
 
     def answer(self, head, choices, usage) -> Completion:
@@ -350,7 +357,7 @@ class ChatEndpoint(Endpoint):
         ]
 
     def logprobs(
-        self, tokens: list[str], log_probs, alternatives: list[Alternatives], _offset: int = 0
+        self, tokens: list[str], log_probs, alternatives: list[Alternatives], _offsets=None
     ) -> ChatLogProbs:
         """Each chosen token with its ``top_logprobs``."""
         content = [

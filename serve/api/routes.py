@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import functools
 import logging
 from typing import Annotated
 
@@ -122,7 +121,7 @@ def _check_token_ids(backend: Backend, model: ModelConfig, prompts: list[list[in
 def _prompt_text(backend: Backend, model: ModelConfig, params: GenerateParams) -> str:
     if not params.prompt_token_ids:
         return params.prompt
-    return "".join(backend.token_texts(model, params.prompt_token_ids))
+    return backend.token_texts(model).prompt_text(params.prompt_token_ids)
 
 
 @router.post("/v1/chat/completions")
@@ -203,35 +202,51 @@ async def _respond(
 
 
 class _LogProbs:
-    """Each choice's ``logprobs``, chunk by chunk, in the shape of its endpoint."""
+    """Each choice's ``logprobs``, chunk by chunk, in the shape of its endpoint: its
+    tokens (the end token last, where it ended the answer: the chunk carries its log
+    probability, one beyond its ``token_ids``), with completions' echo the prompt's
+    tokens first, and for completions where each starts in the choice's text."""
 
     def __init__(self, backend: Backend, model: ModelConfig, endpoint: Endpoint, echoes):
-        self._token_texts = functools.partial(backend.token_texts, model)
+        self._tokens = backend.token_texts(model)
         self._endpoint = endpoint
-        # Completions' text_offset so far: after the echoed prompt, or from 0 when the
-        # prompt's tokens are listed too.
-        self._offsets = [len(echo) for echo in echoes]
+        self._echoes = echoes
+        self._offsets = None  # each choice's, its answer after its echoed prompt
+        if endpoint.text_offsets:
+            self._offsets = [self._tokens.answer_offsets(len(echo)) for echo in echoes]
 
     def __call__(self, index: int, chunk: GenerationChunk) -> ChatLogProbs | CompletionLogProbs:
-        tokens = self._token_texts(chunk.token_ids)
+        ids = chunk.token_ids
+        if chunk.logs_end_token:
+            ids += (self._tokens.end_id,)
+        tokens = self._tokens.texts(ids)
         log_probs = list(chunk.token_log_probs)
         alternatives = [self._alternatives(top) for top in chunk.top_log_probs]
         alternatives = alternatives or [[] for _ in tokens]
+        offsets = self._answer_offsets(index, chunk)
         if chunk.prompt is not None:  # completions' echo: the prompt's tokens first
-            self._offsets[index] = 0
             prompt = chunk.prompt
-            tokens = self._token_texts(prompt.token_ids) + tokens
+            tokens = self._tokens.texts(prompt.token_ids) + tokens
             log_probs = list(prompt.log_probs) + log_probs
             tops = prompt.top_log_probs or [None, *([[]] * (len(prompt.token_ids) - 1))]
             alternatives = [self._alternatives(t) for t in tops] + alternatives
-        shaped = self._endpoint.logprobs(tokens, log_probs, alternatives, self._offsets[index])
-        self._offsets[index] += sum(map(len, tokens))
-        return shaped
+            if offsets is not None:
+                echoed = self._echoes[index]
+                offsets = self._tokens.prompt_offsets(prompt.token_ids, echoed) + offsets
+        return self._endpoint.logprobs(tokens, log_probs, alternatives, offsets)
+
+    def _answer_offsets(self, index: int, chunk: GenerationChunk) -> list[int] | None:
+        """Where the chunk's tokens start; the end token, never in the text, at its end."""
+        if self._offsets is None:
+            return None
+        answer = self._offsets[index]
+        starts = answer.add(chunk.token_ids)
+        return starts + [answer.position] if chunk.logs_end_token else starts
 
     def _alternatives(self, top: TopLogProbs | list | None):
         if top is None or isinstance(top, list):  # none (a prompt's first) or not asked
             return top
-        return list(zip(self._token_texts(top.token_ids), top.log_probs, strict=True))
+        return list(zip(self._tokens.texts(top.token_ids), top.log_probs, strict=True))
 
 
 async def _whole(backend, model, body, params, endpoint, echoes, head, log_probs, syntax):

@@ -36,6 +36,7 @@ from serve.api.errors import APIError, InternalError, NotFound, Overloaded
 from serve.api.http import create_app
 from serve.api.response_store import ResponseStore
 from serve.api.sampling import SamplingDefaults
+from serve.api.token_texts import TokenTexts
 from serve.config import AppConfig, ModelConfig
 from serve.deployments.response_store import open_response_store
 from serve.generation import GenerateParams, GenerationChunk, GenerationError, coalesce
@@ -113,6 +114,14 @@ def _tokenizer_dir(model: ModelConfig):
     return repository.tokenizer_dir(model.triton.repository_path())
 
 
+def _skips_special_tokens(model: ModelConfig) -> bool:
+    """Whether the model's answers leave special tokens out of their text: the
+    postprocessing's parameter, vLLM's default."""
+    if model.engine == "vllm":
+        return True
+    return repository.skips_special_tokens(model.triton.repository_path())
+
+
 def _serves_engine_extensions(model: ModelConfig) -> bool:
     """Whether the model's engine takes the contract's extensions (the torch engine, not
     TensorRT-LLM's backends nor vLLM)."""
@@ -150,6 +159,11 @@ class ApiBackend:
         self.tokenizers = {
             i: loaded.get(i) or load_tokenizer(str(d)) for i, d in checkpoints.items()
         }
+        self._token_texts = {
+            m.id: TokenTexts(self.tokenizers[m.id], _skips_special_tokens(m))
+            for m in config.models
+            if m.task == "generate"
+        }
         self._sampling = {i: SamplingDefaults.from_checkpoint(d) for i, d in checkpoints.items()}
         self._extensions = {
             m.id: _serves_engine_extensions(m) for m in config.models if m.task == "generate"
@@ -181,9 +195,8 @@ class ApiBackend:
     def vocab_size(self, model: ModelConfig) -> int:
         return len(self.tokenizers[model.id])
 
-    def token_texts(self, model: ModelConfig, token_ids: tuple[int, ...]) -> list[str]:
-        tokenizer = self.tokenizers[model.id]
-        return [tokenizer.decode([token]) for token in token_ids]
+    def token_texts(self, model: ModelConfig) -> TokenTexts:
+        return self._token_texts[model.id]
 
     def sampling_defaults(self, model: ModelConfig) -> SamplingDefaults:
         return self._sampling[model.id]

@@ -44,6 +44,20 @@ def _parameter(config: model_config_pb2.ModelConfig, key: str) -> str:
     return config.parameters[key].string_value if key in config.parameters else ""
 
 
+def flag(config: model_config_pb2.ModelConfig, key: str) -> bool:
+    """A boolean parameter as the Python models read it (``tritonllm.model_args``; true
+    when unset or left a template placeholder)."""
+    value = _parameter(config, key)
+    if value == "" or value.startswith("${"):
+        return True
+    return value.lower() in ("1", "true", "yes", "on")
+
+
+def skips_special_tokens(repository: Path) -> bool:
+    """Whether the postprocessing leaves special tokens out of the answers' text."""
+    return flag(read_config(repository, contract.POSTPROCESSING), "skip_special_tokens")
+
+
 def tokenizer_dir(repository: Path) -> Path:
     """The tokenizer the preprocessing model uses (one source of truth for chat templates)."""
     value = _parameter(read_config(repository, contract.PREPROCESSING), "tokenizer_dir")

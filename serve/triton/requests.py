@@ -155,13 +155,16 @@ def chunk_from_outputs(
         return chunk
     cum = scalar(contract.CUM_LOG_PROBS)
     log_probs = outputs.get(contract.OUTPUT_LOG_PROBS.name, np.empty(0)).reshape(-1)
+    # The end token's log probability, after the others, where the engine ended on it
+    # (tritonllm.contract: FINISH_END_ID); beyond that, what the engine padded.
+    logged = len(ids) + (scalar(contract.FINISH_REASON) == contract.FINISH_END_ID)
     top = ()
     if params.top_log_probs:
-        top = _top(outputs, contract.TOP_TOKEN_IDS, contract.TOP_LOG_PROBS, len(ids))
+        top = _top(outputs, contract.TOP_TOKEN_IDS, contract.TOP_LOG_PROBS, logged)
     return dataclasses.replace(
         chunk,
         cum_log_prob=None if cum is None else float(cum),
-        token_log_probs=tuple(log_probs[: len(ids)].tolist()),
+        token_log_probs=tuple(log_probs[:logged].tolist()),
         top_log_probs=top,
         prompt=_prompt(outputs) if params.prompt_log_probs else None,
     )
@@ -173,12 +176,16 @@ def _top(
     values_spec: contract.Tensor,
     positions: int,
 ) -> tuple[TopLogProbs, ...]:
-    """The alternatives' ids and log probabilities ([1, positions, k] each) per position."""
+    """The alternatives' ids and log probabilities ([1, rows, k] each) of the first
+    ``positions`` rows."""
     if ids_spec.name not in outputs or not positions:  # (the final response: none)
         return ()
-    ids = outputs[ids_spec.name].reshape(positions, -1).tolist()
-    values = outputs[values_spec.name].reshape(positions, -1).tolist()
+    ids, values = (_rows(outputs[spec.name], positions) for spec in (ids_spec, values_spec))
     return tuple(TopLogProbs(tuple(i), tuple(v)) for i, v in zip(ids, values, strict=True))
+
+
+def _rows(table: np.ndarray, count: int) -> list[list]:
+    return table.reshape(-1, table.shape[-1])[:count].tolist()
 
 
 def _prompt(outputs: dict[str, np.ndarray]) -> PromptLogProbs | None:

@@ -103,8 +103,8 @@ class ReplicaSteps:
         return cls(
             steps,
             tokenizer,
-            add_special=_flag(pre, _ADD_SPECIAL),
-            skip_special=_flag(post, _SKIP_SPECIAL),
+            add_special=repository.flag(pre, _ADD_SPECIAL),
+            skip_special=repository.flag(post, _SKIP_SPECIAL),
         )
 
     def inputs(self, params: GenerateParams) -> dict[str, np.ndarray]:
@@ -137,12 +137,3 @@ class ReplicaSteps:
     def reader(self, params: GenerateParams) -> ResponseReader:
         detokenizer = IncrementalDetokenizer(self.tokenizer, self.skip_special_tokens)
         return ResponseReader(params, detokenizer)
-
-
-def _flag(config, key: str) -> bool:
-    """A boolean parameter as the Python models read it (``tritonllm.model_args``; true
-    when unset or left a template placeholder)."""
-    value = config.parameters[key].string_value if key in config.parameters else ""
-    if value == "" or value.startswith("${"):
-        return True
-    return value.lower() in ("1", "true", "yes", "on")

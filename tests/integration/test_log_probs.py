@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from serve.triton.client import generate
+from tritonllm import contract
 
 pytestmark = pytest.mark.integration
 
@@ -67,6 +68,36 @@ def test_log_probs_and_top_k_equal_a_transformers_forward_pass(
     prompt_top_ids = outputs(result, "prompt_top_token_ids", 0)[1:]
     ids = np.concatenate([prompt_top_ids, outputs(result, "top_token_ids", 0)])
     assert (ids == top_ids.numpy()).mean() > 0.99  # ties may order differently
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_end_tokens_log_probability_comes_last_with_finish_reason_end_id(
+    triton, tokenizer, hf_model, stream
+):
+    """The contract's FINISH_END_ID: output_ids leave the end token out (as TensorRT-LLM
+    does), the log-probability outputs hold it last, as a transformers forward pass."""
+    prompt = "The cat sat on the mat."  # greedy: a few words, then the end token
+    result = generate(
+        triton.grpc_url,
+        prompt,
+        max_tokens=40,
+        stream=stream,
+        exclude_input_in_output=True,
+        return_log_probs=True,
+        num_top_log_probs=K,
+    )
+    generated = outputs(result, "output_ids").reshape(-1).tolist()
+    end = tokenizer.eos_token_id
+    assert int(outputs(result, "finish_reason")[-1]) == contract.FINISH_END_ID
+    assert (
+        end not in generated and int(outputs(result, "num_output_tokens")[-1]) == len(generated) + 1
+    )
+    chosen = outputs(result, "output_log_probs").reshape(-1)
+    top_ids = outputs(result, "top_token_ids", 0)
+    assert len(chosen) == len(top_ids) == len(generated) + 1
+    row = forward_log_probs(hf_model, tokenizer.encode(prompt) + generated)[-1]
+    np.testing.assert_allclose(chosen[-1], float(row[end]), atol=1e-4)
+    assert top_ids[-1][0] == end  # greedy: the most likely token
 
 
 def test_embedding_bias_forces_and_bans_tokens(triton, tokenizer, hf_model):

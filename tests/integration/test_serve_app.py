@@ -452,9 +452,10 @@ def test_logprobs_of_the_chosen_tokens_whole_and_streamed(client):
     asked = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True)
     whole = client.chat.completions.create(**asked)
     tokens = whole.choices[0].logprobs.content
-    assert "".join(t.token for t in tokens) == whole.choices[0].message.content
-    ended = whole.choices[0].finish_reason == "stop"  # the end token: counted, not listed
-    assert len(tokens) + ended == whole.usage.completion_tokens
+    ended = whole.choices[0].finish_reason == "stop"  # the end token: listed last, no text
+    names = [t.token for t in tokens]
+    assert (names[-1] == "</s>") == ended and len(tokens) == whole.usage.completion_tokens
+    assert "".join(names[: len(names) - ended]) == whole.choices[0].message.content
     assert all(t.logprob <= 0 for t in tokens)
     streamed = [
         t
@@ -468,9 +469,13 @@ def test_logprobs_of_the_chosen_tokens_whole_and_streamed(client):
     completion = client.completions.create(  # a prompt the model answers at length
         model=MODEL, prompt=LONG_ANSWER_PROMPT, max_tokens=8, temperature=0, logprobs=0
     )
-    logprobs = completion.choices[0].logprobs
-    assert "".join(logprobs.tokens) == completion.choices[0].text
-    assert logprobs.text_offset[0] == 0 and len(logprobs.token_logprobs) == 8
+    logprobs, text = completion.choices[0].logprobs, completion.choices[0].text
+    ended = completion.choices[0].finish_reason == "stop"
+    answer = logprobs.tokens[: len(logprobs.tokens) - ended]
+    assert "".join(answer) == text and len(logprobs.tokens) == completion.usage.completion_tokens
+    # Each token where its text starts in the answer; the end token at the text's end.
+    starts = [len("".join(answer[:i])) for i in range(len(logprobs.tokens))]
+    assert logprobs.text_offset == starts
 
 
 def test_top_logprobs_list_alternatives_whole_and_streamed(client):

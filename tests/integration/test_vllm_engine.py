@@ -141,10 +141,11 @@ def chat_log_probs(url: str, model: str, stream: bool) -> tuple[list[dict], str,
     return content, finish, usage
 
 
-def returned(usage: dict, finish: str) -> int:
-    """The generated tokens an answer lists: all it counts but the end token that
-    stopped it (counted, as vLLM counts it; not returned, as TensorRT-LLM)."""
-    return usage["completion_tokens"] - (finish == "stop")
+def assert_every_token_listed(tokens: list[str], usage: dict, finish: str) -> None:
+    """An answer lists every token it counts, the end token last where it stopped the
+    answer (its log probability, as vLLM's own API lists it; never in the text)."""
+    assert len(tokens) == usage["completion_tokens"]
+    assert (tokens[-1] == "</s>") == (finish == "stop")
 
 
 def assert_same_log_probs(entries: list[dict], reference: list[dict]) -> None:
@@ -168,7 +169,7 @@ def test_chat_top_logprobs_are_3_alternatives_the_greedy_token_first(both_engine
     for model in (TRITON, VLLM):
         for stream in (False, True):
             content, finish, usage = chat_log_probs(both_engines, model, stream)
-            assert content and len(content) == returned(usage, finish), (model, stream)
+            assert_every_token_listed([t["token"] for t in content], usage, finish)
             assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
             assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
             for entry in content:
@@ -212,8 +213,9 @@ def test_completions_echo_with_logprobs_lists_the_prompt_tokens_first_none_first
             log_probs, text, finish, usage = completion_echo(both_engines, model, stream)
             prompt = usage["prompt_tokens"]  # the prompt's tokens, its BOS included
             tokens = log_probs["tokens"]
-            assert text.startswith(PROMPTS[2]) and text == PROMPTS[2] + "".join(tokens[prompt:])
-            assert len(tokens) == prompt + returned(usage, finish), (model, stream)
+            assert_every_token_listed(tokens[prompt:], usage, finish)
+            answer = tokens[prompt : len(tokens) - (finish == "stop")]
+            assert text.startswith(PROMPTS[2]) and text == PROMPTS[2] + "".join(answer)
             assert log_probs["token_logprobs"][0] is None and log_probs["top_logprobs"][0] is None
             for token, value, top in zip(
                 tokens[1:],

@@ -220,7 +220,8 @@ def test_log_probs_stay_the_models_own(engine, tokenizer):
     sink = run(engine, tokenizer, "regex", r"[a-z]{4}", return_log_probs=True)
     answer(sink, tokenizer)
     assert all(p <= 0 for c in sink.chunks for p in c.log_probs)
-    assert len([p for c in sink.chunks for p in c.log_probs]) == len(sink.tokens())
+    ended = sink.chunks[-1].ended_by_end_id  # the end token's is logged too
+    assert len([p for c in sink.chunks for p in c.log_probs]) == len(sink.tokens()) + ended
 
 
 @pytest.mark.parametrize(

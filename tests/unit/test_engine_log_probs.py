@@ -65,7 +65,7 @@ def submit(engine, tokenizer, rid: str, prompt: str, **kwargs) -> CollectingSink
         request_id=rid,
         input_ids=tuple(tokenizer.encode(prompt)),
         max_tokens=kwargs.pop("max_tokens", 10),
-        end_id=-1,
+        end_id=kwargs.pop("end_id", -1),
         exclude_input_in_output=True,
         return_log_probs=True,
         num_top_log_probs=K,
@@ -136,3 +136,26 @@ def test_the_second_of_two_equal_prompts_reports_its_cached_tokens(setup):
         counts.append(sink.chunks[0].num_cached_tokens)
     length = len(tokenizer.encode(prompt))
     assert counts[0] == 0 and length - 16 <= counts[1] < length
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_end_tokens_log_probability_comes_last_and_equals_a_forward_pass(setup, streaming):
+    """The end token is counted and logged (its log probability and alternatives, as
+    vLLM returns them) but never among the tokens, as TensorRT-LLM leaves it out."""
+    engine, model, tokenizer = setup
+    prompt = "The cat sat on the mat."  # greedy: a few words, then the end token
+    end = tokenizer.eos_token_id
+    sink = submit(engine, tokenizer, "ends", prompt, max_tokens=40, end_id=end, streaming=streaming)
+    assert sink.done.wait(60) and not sink.errors
+    last = sink.chunks[-1]
+    generated = sink.tokens()
+    assert last.finish_reason == "stop" and last.ended_by_end_id and end not in generated
+    assert last.num_output_tokens == len(generated) + 1
+    log_probs = [p for c in sink.chunks for p in c.log_probs]
+    top = [t for c in sink.chunks for t in c.top_log_probs]
+    assert len(log_probs) == len(top) == len(generated) + 1
+    prompt_ids = tokenizer.encode(prompt)
+    row = reference(model, prompt_ids + generated)[-1]  # the row that chose the end token
+    assert log_probs[-1] == pytest.approx(float(row[end]), abs=1e-4)
+    assert top[-1].top_ids[0] == end  # greedy: the most likely one
+    assert last.cum_log_prob == pytest.approx(sum(log_probs), abs=1e-4)

@@ -24,6 +24,7 @@ from serve.api.backend import Embeddings
 from serve.api.errors import APIError, Overloaded
 from serve.api.http import create_app
 from serve.api.sampling import GREEDY
+from serve.api.token_texts import TokenTexts
 from serve.config import AppConfig
 from serve.generation import GenerationChunk, PromptLogProbs, TopLogProbs
 from serve.triton.requests import final_chunk
@@ -40,6 +41,30 @@ CONFIG = AppConfig.model_validate(
         "max_messages": 3,
     }
 )
+
+
+END_ID = 99  # the fake tokenizer's end token
+
+
+class FakeTokenizer:
+    """Token i's text is ``<i>``; the end token's is ``</s>``, a special token."""
+
+    eos_token_id = END_ID
+
+    def decode(self, ids, skip_special_tokens=False):
+        special = "" if skip_special_tokens else "</s>"
+        return "".join(special if i == END_ID else f"<{i}>" for i in ids)
+
+
+def _end_token(end: GenerationChunk, params) -> GenerationChunk:
+    """The answer's end, with the end token's log probability where it ended the answer
+    (the engines' ``logs_end_token``): -9, its alternatives the end token and 0, 1, ..."""
+    if not params.return_log_probs or end.finish_reason != "stop":
+        return end
+    top = TopLogProbs((END_ID, *range(params.top_log_probs - 1)), (-9.0,) * params.top_log_probs)
+    return dataclasses.replace(
+        end, token_log_probs=(-9.0,), top_log_probs=(top,) if params.top_log_probs else ()
+    )
 
 
 def _prompt(length: int, k: int) -> PromptLogProbs:
@@ -88,7 +113,7 @@ class FakeBackend:
             if params.prompt_log_probs and i == 0:  # the prompt's words: ids 50, 51, ...
                 last = dataclasses.replace(last, prompt=_prompt(len(prompt), params.top_log_probs))
             yield last
-        yield final_chunk(last, params)
+        yield _end_token(final_chunk(last, params), params)
 
     async def start(self, model, params):
         stream = self._chunks(params)
@@ -98,8 +123,8 @@ class FakeBackend:
         whole = functools.reduce(GenerationChunk.merged, [c async for c in self._chunks(params)])
         return whole.text, whole
 
-    def token_texts(self, model, token_ids):
-        return [f"<{i}>" for i in token_ids]
+    def token_texts(self, model):
+        return TokenTexts(FakeTokenizer())
 
     def vocab_size(self, model):
         return 100

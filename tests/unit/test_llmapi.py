@@ -81,6 +81,28 @@ def test_the_end_id_ends_the_answer_and_is_not_part_of_it():
     assert chunk.token_ids == [10, 11] and chunk.finish_reason == "stop" and abort
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_end_ids_log_probability_is_kept_where_the_llm_api_returns_it(streaming):
+    """Where the LLM API's ids hold the end id with its log probability, it is counted and
+    logged last (the contract's FINISH_END_ID); an answer whose ids lack it claims none."""
+    tracker = OutputTracker(
+        request(exclude_input_in_output=True, return_log_probs=True, streaming=streaming)
+    )
+    tracker.update([10], [-0.5])
+    chunk, _ = tracker.update([10, 11, EOS, 12], [-0.5, -1.0, -0.25, -3.0])
+    new = [11] if streaming else [10, 11]
+    assert chunk.token_ids == new and chunk.ended_by_end_id and chunk.num_output_tokens == 3
+    assert chunk.log_probs == ([-1.0, -0.25] if streaming else [-0.5, -1.0, -0.25])
+    assert chunk.cum_log_prob == pytest.approx(-1.75)
+    without, _ = OutputTracker(request(return_log_probs=True, exclude_input_in_output=True)).update(
+        [10, 11], [-0.5, -1.0], "stop", finished=True
+    )
+    assert not without.ended_by_end_id and without.log_probs == [-0.5, -1.0]
+    word = OutputTracker(request(return_log_probs=True, stop_words=((11,),)))
+    stopped, _ = word.update([10, 11, EOS], [-0.5, -1.0, -0.25])
+    assert not stopped.ended_by_end_id and stopped.log_probs == [-0.5, -1.0]
+
+
 def test_not_streaming_echoes_the_prompt_unless_excluded_and_maps_finish_reasons():
     echo, _ = OutputTracker(request()).update([10], finish_reason="length", finished=True)
     assert echo.token_ids == [5, 6, 7, 10] and echo.finish_reason == "length"

@@ -218,14 +218,15 @@ def test_the_checkpoints_generation_config_sets_the_defaults(tmp_path):
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 0)
 
 
-def test_chat_logprobs_name_each_chosen_token_whole_and_streamed():
+def test_chat_logprobs_name_each_chosen_token_and_the_end_token_whole_and_streamed():
     api = client()
-    body = chat("a b c", logprobs=True, top_logprobs=0)
+    body = chat("a b c", logprobs=True, top_logprobs=0)  # three words, then the end token
     answer = api.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]
     assert [(t["token"], t["logprob"]) for t in answer["content"]] == [
         ("<0>", 0.0),
         ("<1>", -1.0),
         ("<2>", -2.0),
+        ("</s>", -9.0),
     ]
     assert (
         answer["content"][1]["bytes"] == list(b"<1>") and answer["content"][1]["top_logprobs"] == []
@@ -245,11 +246,16 @@ def test_completion_logprobs_carry_tokens_their_offsets_and_the_chosen_one_in_to
     body = {"model": "llm", "prompt": "a b", "logprobs": 0}
     logprobs = client().post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
     assert logprobs == {
-        "tokens": ["<0>", "<1>"],
-        "token_logprobs": [0.0, -1.0],
-        "top_logprobs": [{"<0>": 0.0}, {"<1>": -1.0}],  # logprobs 0: the chosen token only
-        "text_offset": [0, 3],
+        "tokens": ["<0>", "<1>", "</s>"],
+        "token_logprobs": [0.0, -1.0, -9.0],
+        # logprobs 0: the chosen token only
+        "top_logprobs": [{"<0>": 0.0}, {"<1>": -1.0}, {"</s>": -9.0}],
+        # The end token is not in the text (special tokens are skipped): at its end.
+        "text_offset": [0, 3, 6],
     }
+    capped = {"model": "llm", "prompt": "a b c", "logprobs": 0, "max_tokens": 2}
+    logprobs = client().post("/v1/completions", json=capped).json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["<0>", "<1>"]  # max_tokens ended it: no end token
 
 
 def test_chat_top_logprobs_list_the_alternatives_of_each_token():
@@ -264,7 +270,8 @@ def test_chat_top_logprobs_list_the_alternatives_of_each_token():
 
 
 def test_completions_echo_with_logprobs_lists_the_prompt_tokens_first():
-    body = {"model": "llm", "prompt": "a b", "logprobs": 1, "echo": True, "max_tokens": 1}
+    # A token-id prompt is echoed as its tokens' text: "<50><51>", then the answer.
+    body = {"model": "llm", "prompt": [50, 51], "logprobs": 1, "echo": True, "max_tokens": 1}
     for stream in (False, True):
         answer = client().post("/v1/completions", json=body | {"stream": stream})
         if stream:

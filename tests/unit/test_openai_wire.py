@@ -99,6 +99,8 @@ def test_a_whole_chat_answer_with_logprobs():
         token % (i, p, 48 + i) + ',"top_logprobs":[' + token % (i, p, 48 + i) + "}]}"
         for i, p in ((0, "-0.0"), (1, "-1.0"))
     ]
+    end = '{"token":"</s>","logprob":-9.0,"bytes":[60,47,115,62]'  # the end token: last
+    entries.append(end + ',"top_logprobs":[' + end + "}]}")
     assert masked(client().post("/v1/chat/completions", json=body).text) == (
         '{"id":"chatcmpl-ID","created":0,"model":"llm","object":"chat.completion",'
         '"choices":[{"index":0,"message":{"role":"assistant","content":" a b"},'
@@ -108,10 +110,10 @@ def test_a_whole_chat_answer_with_logprobs():
 
 
 def test_a_whole_completion_with_echoed_prompt_logprobs():
-    body = {"model": "llm", "prompt": "a b", "logprobs": 1, "echo": True, "max_tokens": 1}
+    body = {"model": "llm", "prompt": [50, 51], "logprobs": 1, "echo": True, "max_tokens": 1}
     assert masked(client().post("/v1/completions", json=body).text) == (
         '{"id":"cmpl-ID","created":0,"model":"llm","object":"text_completion",'
-        '"choices":[{"index":0,"text":"a b a","logprobs":{"tokens":["<50>","<51>","<0>"],'
+        '"choices":[{"index":0,"text":"<50><51> t50","logprobs":{"tokens":["<50>","<51>","<0>"],'
         '"token_logprobs":[null,-0.5,-0.0],"top_logprobs":[null,{"<51>":-0.5},{"<0>":-0.0}],'
         '"text_offset":[0,4,8]},"finish_reason":"length"}],'
         '"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3,'

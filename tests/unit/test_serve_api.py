@@ -150,6 +150,22 @@ def test_the_engines_reason_ends_the_stream(code, reason):
     assert (end.finish_reason, end.num_output_tokens, end.text) == (reason, 2, "")
 
 
+@pytest.mark.parametrize(("code", "logged"), [(1, 2), (2, 1), (None, 1)])
+def test_the_end_tokens_log_probability_is_read_where_the_engine_ended_on_it(code, logged):
+    """FINISH_END_ID: one log probability (and row of alternatives) beyond output_ids, the
+    end token's (tritonllm.contract); otherwise what lies beyond the ids is padding."""
+    params = GenerateParams("hi", 8, return_log_probs=True, top_log_probs=2)
+    response = outputs([8], 2, code) | {
+        "output_log_probs": np.array([[[-0.5, -0.25]]], dtype=np.float32),
+        "top_log_probs": np.array([[[-0.5, -1.0], [-0.25, -3.0]]], dtype=np.float32),
+        "top_token_ids": np.array([[[8, 9], [2, 4]]], dtype=np.int32),
+    }
+    chunk = ResponseReader(params).chunk(response)
+    assert chunk.token_ids == (8,) and chunk.logs_end_token == (logged == 2)
+    assert chunk.token_log_probs == (-0.5, -0.25)[:logged]
+    assert [t.token_ids for t in chunk.top_log_probs] == [(8, 9), (2, 4)][:logged]
+
+
 def test_without_the_engines_reason_the_stream_ends_by_inference():
     reader = ResponseReader(GenerateParams("hi", 2))
     reader.chunk(outputs([7], 1))

@@ -109,13 +109,19 @@ def test_the_llmapi_config_is_a_python_model_on_our_contract(repo, checkpoint_di
     assert config.backend == "python" and config.default_model_filename == "llmapi.py"
     assert config.model_transaction_policy.decoupled
     inputs, outputs = contract.MODELS[contract.TENSORRT_LLM]
-    # Without our engine extensions: the API refuses what needs them for this target.
+    # Without our engine extensions but why a sequence ended (the adapter's): the API
+    # refuses what needs the others for this target.
     inputs = [t for t in inputs if not t.engine_extension]
-    outputs = [t for t in outputs if not t.engine_extension]
+    outputs = [t for t in outputs if not t.engine_extension or t == contract.FINISH_REASON]
     assert [(t.name, t.dims, t.optional) for t in config.input] == [
         (t.name, list(t.dims), t.optional) for t in inputs
     ]
     assert [t.name for t in config.output] == [t.name for t in outputs]
+    ensemble = parse(repo, contract.ENSEMBLE)
+    engine_step = next(
+        s for s in ensemble.ensemble_scheduling.step if s.model_name == "tensorrt_llm"
+    )
+    assert engine_step.output_map[contract.FINISH_REASON.name] == contract.FINISH_REASON.name
     types = {t.name: model_config_pb2.DataType.Name(t.data_type) for t in config.input}
     assert types == {t.name: t.triton_dtype for t in inputs}
     for model in contract.MODELS:  # every config of the repository parses

@@ -223,23 +223,26 @@ def test_chosen_tokens_and_exactly_k_alternatives_most_likely_first():
     # the chosen one, not listed among the alternatives.
     assert (second.token_ids, second.token_log_probs) == ((23,), (-4.0,))
     assert second.top_log_probs == (TopLogProbs((20, 21), (-0.2, -2.5)),)
-    # The end token (vLLM's last delta holds it): counted, not returned (as on the
-    # Triton path: TensorRT-LLM leaves it out of output_ids), nor in the cumulative sum.
-    assert (last.token_ids, last.token_log_probs, last.top_log_probs, last.text) == ((), (), (), "")
+    # The end token (vLLM's last delta holds it): counted and logged (its log probability
+    # and alternatives, in the cumulative sum), not among the ids (as on the Triton path:
+    # TensorRT-LLM leaves it out of output_ids).
+    assert (last.token_ids, last.token_log_probs, last.text) == ((), (-0.01,), "")
+    assert last.top_log_probs == (TopLogProbs((2, 30), (-0.01, -5.0)),) and last.logs_end_token
     assert [c.num_output_tokens for c in (first, second, last)] == [1, 2, 3]
     assert [c.finish_reason for c in (first, second, last)] == [None, None, "stop"]
-    assert last.cum_log_prob == pytest.approx(-1.0 - 4.0)
+    assert last.cum_log_prob == pytest.approx(-1.0 - 4.0 - 0.01)
     assert {c.num_input_tokens for c in (first, second, last)} == {3}
     # Merged as the replica's coalesce merges them: the whole answer, position by position.
     whole = first.merged(second).merged(last)
-    assert whole.token_ids == (11, 23) and len(whole.top_log_probs) == 2
+    assert whole.token_ids == (11, 23) and len(whole.top_log_probs) == 3
+    assert whole.logs_end_token and not first.merged(second).logs_end_token
 
 
 def test_chosen_log_probs_only_when_no_alternatives_are_asked():
     params = GenerateParams(prompt="p", max_tokens=8, return_log_probs=True)
     chunks = read(params, k=0)
     assert [c.token_ids for c in chunks] == [(11,), (23,), ()]
-    assert [c.token_log_probs for c in chunks] == [(-1.0,), (-4.0,), ()]
+    assert [c.token_log_probs for c in chunks] == [(-1.0,), (-4.0,), (-0.01,)]
     assert all(c.top_log_probs == () for c in chunks)
 
 

@@ -61,6 +61,9 @@ class GenerationChunk:
     num_output_tokens: int
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    # The end token ended it ("stop"): counted in num_output_tokens, not in token_ids;
+    # with log probabilities asked, its entry is the last of log_probs (and top_log_probs).
+    ended_by_end_id: bool = False
     # With num_top_log_probs: each token's alternatives.
     top_log_probs: list[TokenLogProbs] = field(default_factory=list)
     # A request's first response only: the prefix cache's share of the prompt, and
@@ -83,6 +86,7 @@ class GenerationChunk:
             num_output_tokens=later.num_output_tokens,
             finished=later.finished,
             finish_reason=later.finish_reason,
+            ended_by_end_id=later.ended_by_end_id,
             top_log_probs=self.top_log_probs + later.top_log_probs,
             num_cached_tokens=self.num_cached_tokens,
             prompt_log_probs=self.prompt_log_probs,
@@ -145,7 +149,7 @@ class Sequence:
     finish_reason: str | None = None
     sent: int = 0  # generated tokens already streamed
     answered: bool = False  # its first response is out
-    ended_by_end_id: bool = False  # the end token came (counted, not returned)
+    ended_by_end_id: bool = False  # the end token came (counted, not in generated)
     adapter: Adapter | None = None  # its LoRA adapter, held from submit until it leaves
 
     @property
@@ -518,18 +522,16 @@ class Engine:
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         token = seq.sampler(logits, seq.history, len(seq.generated))
         request = seq.request
+        if request.return_log_probs:
+            self._log_token(seq, logits, token)
         if token == request.end_id:
-            # Counted as a generated token (usage and billing count it, as vLLM does) but
-            # not returned: TensorRT-LLM leaves the end id out of output_ids, so no
-            # detokenizer ever sees it, special token or not.
+            # Counted as a generated token (usage and billing count it, as vLLM does), its
+            # log probability kept (lm-eval reads it), but not among the tokens:
+            # TensorRT-LLM leaves the end id out of output_ids, so no detokenizer ever sees
+            # it, special token or not.
             seq.ended_by_end_id = True
             self._finish(seq, "stop")
             return
-        if request.return_log_probs:
-            rows = None if logits is None else logits[None]
-            (chosen,) = self._log_probs(seq, rows, [token])
-            seq.log_probs.append(chosen)
-            seq.cum_log_prob += chosen.chosen
         seq.generated.append(token)
         seq.history.append(token)
         if _ends_with_stop_word(seq.generated, request.stop_words):
@@ -543,6 +545,12 @@ class Engine:
         elif request.streaming:
             self._deliver(seq, self._chunk(seq, [token], finished=False))
             seq.sent = len(seq.generated)
+
+    def _log_token(self, seq: Sequence, logits: torch.Tensor | None, token: int) -> None:
+        rows = None if logits is None else logits[None]
+        (chosen,) = self._log_probs(seq, rows, [token])
+        seq.log_probs.append(chosen)
+        seq.cum_log_prob += chosen.chosen
 
     def _compact(self) -> None:
         """Drop finished sequences; move rows from the end into the freed slots."""
@@ -603,7 +611,8 @@ class Engine:
     @staticmethod
     def _chunk(seq: Sequence, tokens, finished: bool) -> GenerationChunk:
         """A response with ``tokens``: the generated ones from ``seq.sent`` on (a prompt
-        echoed before them has no log probabilities here)."""
+        echoed before them has no log probabilities here), and the log probabilities
+        from there on, the end token's last where it came."""
         request = seq.request
         new = seq.log_probs[seq.sent :] if request.return_log_probs else []
         chunk = GenerationChunk(
@@ -614,6 +623,7 @@ class Engine:
             num_output_tokens=len(seq.generated) + seq.ended_by_end_id,
             finished=finished,
             finish_reason=seq.finish_reason,
+            ended_by_end_id=finished and seq.ended_by_end_id,
             top_log_probs=new if request.num_top_log_probs else [],
         )
         if not seq.answered:

@@ -156,7 +156,7 @@ def _extension_tensors(chunk: GenerationChunk, request: GenerationRequest) -> di
         tensors[contract.TOP_LOG_PROBS.name], tensors[contract.TOP_TOKEN_IDS.name] = top
     codes = contract.FINISH_REASON_CODES
     if chunk.finished and chunk.finish_reason in codes:  # the last response
-        code = codes[chunk.finish_reason]
+        code = contract.FINISH_END_ID if chunk.ended_by_end_id else codes[chunk.finish_reason]
         tensors[contract.FINISH_REASON.name] = np.array([[code]], dtype=np.int32)
     if chunk.num_cached_tokens is not None:  # the first response
         cached = np.array([[chunk.num_cached_tokens]], dtype=np.int32)
