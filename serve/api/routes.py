@@ -100,8 +100,19 @@ async def completions(body: CompletionRequest, request: Request, backend: Backen
     else:
         _check_token_ids(backend, model, prompts)
     guide = body.output_guide()
-    params = choices(request, body, model, variant, prompts, body.max_tokens, guide)
+    prompt_alone = body.max_tokens == 0
+    if prompt_alone and not body.echo:
+        raise APIError(
+            "max_tokens must be at least 1; 0 is taken with echo (the prompt alone, with its "
+            "log probabilities when logprobs is set)",
+            "max_tokens",
+        )
+    # The engines generate at least one token: the prompt alone asks for one, then drops it.
+    max_tokens = 1 if prompt_alone else body.max_tokens
+    params = choices(request, body, model, variant, prompts, max_tokens, guide)
     echoes = [_prompt_text(backend, model, p) if body.echo else "" for p in params]
+    if prompt_alone:
+        return await _prompts_alone(backend, model, body, params, echoes)
     return await _respond(backend, model, body, params, COMPLETIONS, echoes)
 
 
@@ -116,6 +127,42 @@ def _check_token_ids(backend: Backend, model: ModelConfig, prompts: list[list[in
                 f"prompt {i} holds token ids outside the vocabulary [0, {vocab}): {outside[:5]}",
                 "prompt",
             )
+
+
+async def _prompts_alone(backend, model, body: CompletionRequest, params, echoes):
+    """An echo with max_tokens 0, as scoring clients send it: each prompt's text and
+    (with logprobs) its tokens' log probabilities, nothing generated or counted."""
+    results = await _gather(backend.collect(model, p) for p in params)
+    lasts = [
+        dataclasses.replace(
+            last,
+            text=echo,
+            token_ids=(),
+            token_log_probs=(),
+            top_log_probs=(),
+            cum_log_prob=None,
+            num_output_tokens=0,
+            finish_reason="length",
+        )
+        for (_, last), echo in zip(results, echoes, strict=True)
+    ]
+    head = COMPLETIONS.head(served_id(model, params[0]))
+    log_probs = (
+        _LogProbs(backend, model, COMPLETIONS, echoes) if body.logprobs is not None else None
+    )
+    if body.stream:
+        starts = [(last, _nothing()) for last in lasts]
+        return EventStream(_events(body, starts, COMPLETIONS, head, log_probs))
+    answers = [
+        COMPLETIONS.choice(i, last.text, last.finish_reason, log_probs and log_probs(i, last))
+        for i, last in enumerate(lasts)
+    ]
+    return json_response(COMPLETIONS.answer(head, answers, Usage.of(lasts)))
+
+
+async def _nothing():
+    return
+    yield
 
 
 def _prompt_text(backend: Backend, model: ModelConfig, params: GenerateParams) -> str:

@@ -212,6 +212,8 @@ class CompletionRequest(SamplingFields):
     # A list gets n choices per prompt, in order; token ids are a prompt the client
     # tokenized itself (one list, or a list of them), taken as they are.
     prompt: Text | list[Text] | TokenIds | list[TokenIds]
+    # 0 with echo: the prompt alone, scored (the route refuses it without echo).
+    max_tokens: int | None = Field(None, ge=0)
     # The chosen tokens' log probabilities and this many alternatives (0: none).
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOG_PROBS)
     echo: bool = False  # the prompt's text (with logprobs: its tokens' too) before the answer

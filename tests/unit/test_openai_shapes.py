@@ -285,6 +285,43 @@ def test_completions_echo_with_logprobs_lists_the_prompt_tokens_first():
         assert logprobs["text_offset"] == [0, 4, 8]
 
 
+def test_an_echo_with_max_tokens_0_scores_the_prompt_alone_whole_and_streamed():
+    body = {"model": "llm", "prompt": [50, 51, 52], "echo": True, "max_tokens": 0, "logprobs": 1}
+    backend = FakeBackend()
+    api = client(backend)
+    whole = api.post("/v1/completions", json=body).json()
+    (choice,) = whole["choices"]
+    assert choice["text"] == "<50><51><52>" and choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {
+        "tokens": ["<50>", "<51>", "<52>"],
+        "token_logprobs": [None, -0.5, -0.5],
+        "top_logprobs": [None, {"<51>": -0.5}, {"<52>": -0.5}],
+        "text_offset": [0, 4, 8],
+    }
+    assert whole["usage"]["prompt_tokens"] == 3 and whole["usage"]["completion_tokens"] == 0
+    assert backend.params[-1].max_tokens == 1  # the engines generate one; it is dropped
+    events = stream_events(
+        api, "/v1/completions", body | {"stream_options": {"include_usage": True}, "stream": True}
+    )
+    streamed = [c for e in events for c in e["choices"]]
+    assert [c["text"] for c in streamed] == ["<50><51><52>"]
+    assert streamed[0]["logprobs"] == choice["logprobs"]
+    assert events[-1]["usage"]["completion_tokens"] == 0
+    text = api.post("/v1/completions", json=body | {"prompt": "a b", "logprobs": None}).json()
+    assert text["choices"][0]["text"] == "a b" and text["choices"][0]["logprobs"] is None
+
+
+def test_max_tokens_0_without_echo_is_a_400_naming_the_field():
+    api = client()
+    for body in (
+        {"model": "llm", "prompt": "a", "max_tokens": 0},
+        {"model": "llm", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
+    ):
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        assert error_of(api.post(path, json=body), 400)["param"] == "max_tokens"
+    assert api.post("/v1/completions", json={"model": "llm", "prompt": "a"}).status_code == 200
+
+
 def _events(text: str) -> list[str]:
     return [line[6:] for line in text.splitlines() if line.startswith("data: {")]
 
