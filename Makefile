@@ -65,7 +65,7 @@ BENCH_ARGS  ?=
 SMOKE_ARGS  ?=
 SOAK_ARGS   ?=
 
-.PHONY: venv venv-dev vllm-env aiperf-env engines run run-check triton triton-embeddings test test-unit lint \
+.PHONY: venv venv-dev vllm-env aiperf-env lm-eval-env engines run run-check triton triton-embeddings test test-unit lint \
 	redis bench bench-capacity bench-engine bench-embeddings bench-prefix bench-structured \
 	bench-lora bench-migration \
 	soak gpu-smoke \
@@ -151,14 +151,18 @@ triton-embeddings: venv
 
 # The vLLM environment too: the tests serve a model through both engines; and Redis,
 # where Ray keeps its cluster state in the GCS fault-tolerance test.
-# The vLLM environment and the tests' AIPerf client (tests/aiperf_env.py) install side by
-# side: two virtualenvs of their own, each mostly download and unpacking.
+# The vLLM environment, the tests' AIPerf client (tests/aiperf_env.py) and lm-eval
+# (tests/lm_eval_env.py) install side by side: virtualenvs of their own, each mostly
+# download and unpacking.
 test: venv-dev redis
-	$(MAKE) --no-print-directory -j2 vllm-env aiperf-env
+	$(MAKE) --no-print-directory -j2 vllm-env aiperf-env lm-eval-env
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 aiperf-env: venv-dev
 	$(PY) -m tests.aiperf_env
+
+lm-eval-env: venv-dev
+	TORCH_SPEC='$(TORCH_SPEC)' TORCH_INDEX='$(TORCH_INDEX)' $(PY) -m tests.lm_eval_env
 
 test-unit: venv-dev
 	$(PY) -m pytest -m 'not integration' $(PYTEST_ARGS)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from serve.triton.launcher import free_port
-from tests import aiperf_env
+from tests import aiperf_env, lm_eval_env, lm_eval_harness
 from tests.conftest import ROOT
 from tests.integration.abandon import IDLE_WITHIN_S, SHORT_WITHIN_S, abandon_then_serve
 from tests.integration.repositories import repository_with_limits
@@ -514,6 +514,58 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, checkpoint
     assert all(p <= 0 for p in logprobs.token_logprobs[1:])
     greedy = logprobs.top_logprobs[-1]  # the generated token: greedy, so the top one
     assert max(greedy, key=greedy.get) == logprobs.tokens[-1]
+
+
+@pytest.fixture(scope="module")
+def lm_eval_tasks(tmp_path_factory) -> Path:
+    return lm_eval_harness.write_tasks(tmp_path_factory.mktemp("lm_eval_tasks"))
+
+
+@pytest.fixture(scope="module")
+def lm_eval_reference(lm_eval_tasks, checkpoint_dir, tmp_path_factory):
+    """lm-eval's own ``hf`` model on the checkpoint the stack serves (float32, as the
+    torch engine runs it on the CPU)."""
+    return lm_eval_harness.evaluate(
+        lm_eval_env.ensure(),  # made by make test beforehand, else here
+        lm_eval_tasks,
+        tmp_path_factory.mktemp("lm_eval_hf"),
+        "hf",
+        f"pretrained={checkpoint_dir},dtype=float32",
+    )
+
+
+def test_lm_eval_scores_the_stack_as_it_scores_the_checkpoint(
+    app_url, client, checkpoint_dir, lm_eval_tasks, lm_eval_reference, tmp_path
+):
+    """lm-eval's local-completions (tokenized requests with the BOS its hf model adds;
+    log-likelihoods by echo, logprobs 1, max_tokens 1, the last entry dropped as the
+    generated token's) against its hf model: equal accuracy, log-likelihoods within
+    1e-3, the same greedy generations."""
+    started = time.monotonic()
+    served = lm_eval_harness.evaluate(
+        lm_eval_env.ensure(),
+        lm_eval_tasks,
+        tmp_path,
+        "local-completions",
+        f"model={MODEL},base_url={app_url}/v1/completions,tokenizer={checkpoint_dir},"
+        "tokenizer_backend=huggingface,tokenized_requests=True,add_bos_token=True,max_retries=1",
+    )
+    seconds = time.monotonic() - started
+    reference = lm_eval_reference
+    assert served.generations == reference.generations
+    differences = np.abs(np.subtract(served.log_likelihoods, reference.log_likelihoods))
+    print(
+        f"lm-eval: {len(differences)} log-likelihoods, max |difference| {differences.max():.2e}, "
+        f"{seconds:.1f} s against the stack"
+    )
+    assert len(differences) == 400 and differences.max() < 1e-3
+    choice = lm_eval_harness.CHOICE_TASK
+    assert served.results[choice]["acc,none"] == reference.results[choice]["acc,none"]
+    # The task holds what the check is about: answers whose generated token is the end one.
+    scored = client.completions.create(
+        model=MODEL, prompt="The cat sat on the mat.", max_tokens=1, echo=True, logprobs=1
+    )
+    assert scored.choices[0].logprobs.tokens[-1] == "</s>"
 
 
 def test_logit_bias_forces_and_bans_a_token(client, checkpoint_dir):
