@@ -444,7 +444,7 @@ def test_langchain_chat_openai_invokes_streams_and_batches(app_url, client):
 
 
 # The default model's plain completions are a few words; as a chat turn it writes a
-# whole sentence (greedy: "The river follows the morning light in the café.").
+# whole sentence (which one depends on the machine that trained the model).
 LONG_ANSWER_PROMPT = "<|user|>\nTell me about the red ball.</s>\n<|assistant|>\n"
 
 
