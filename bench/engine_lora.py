@@ -56,7 +56,7 @@ class Sink:
         if chunk.finished:
             self.done.set()
 
-    def fail(self, message):
+    def fail(self, message, code="INTERNAL"):
         self.error = message
         self.done.set()
 

@@ -117,6 +117,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             float,
             "responses a second the engine's requests share under load (0: no budget)",
         ),
+        (
+            "--guide-compile-timeout-s",
+            float,
+            "torch engine: seconds a guide (structured outputs) may take to compile",
+        ),
         ("--null-step-ms", float, "null target (a benchmark instrument): ms per engine step"),
     ):
         field = flag[2:].replace("-", "_")

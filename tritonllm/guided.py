@@ -44,8 +44,10 @@ MAX_GUIDE_BYTES = 64 * 1024
 # The compiled grammars one model keeps (XGrammar's cache, least recently used out).
 DEFAULT_CACHE_LIMIT_BYTES = 256 * 1024 * 1024
 
-# Guides a compiler remembers as checked (digests only): a repeated one skips the checks.
-_VALID_GUIDES = 4096
+# Guides remembered as checked (digests only): a repeated one skips the checks.
+_CHECKED_GUIDES = 4096
+_checked: OrderedDict[bytes, None] = OrderedDict()
+_checked_lock = threading.Lock()
 
 # XGrammar's C++ errors start with a timestamp and a source location, and checks with
 # "Check failed: (...) is false:"; the client gets the cause only.
@@ -101,6 +103,21 @@ def grammar(guide_type: str, guide: str) -> xgrammar.Grammar:
     except Exception as exc:  # XGrammar raises RuntimeError from C++ parse errors
         what = "regular expression" if guide_type == "regex" else "EBNF grammar (root rule: root)"
         raise InvalidGuide(f"{guide_type} guide is not a valid {what}: {_cause(exc)}") from None
+
+
+def check(guide_type: str, guide: str) -> None:
+    """:func:`grammar`'s checks, skipped for a guide that passed them lately (clients
+    send the same schema again and again): :class:`InvalidGuide` says what is wrong."""
+    key = hashlib.sha256(f"{guide_type}\0{guide}".encode()).digest()
+    with _checked_lock:
+        if key in _checked:
+            _checked.move_to_end(key)
+            return
+    grammar(guide_type, guide)
+    with _checked_lock:
+        _checked[key] = None
+        while len(_checked) > _CHECKED_GUIDES:
+            _checked.popitem(last=False)
 
 
 def _json_schema_grammar(guide: str) -> xgrammar.Grammar:
@@ -218,9 +235,6 @@ class GuideCompiler:
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop
         )
-        # Digests of the guides that passed grammar()'s checks (most recent last).
-        self._valid: OrderedDict[bytes, None] = OrderedDict()
-        self._lock = threading.Lock()
         self._compiler = xgr.GrammarCompiler(
             self.tokenizer_info,
             max_threads=max_threads,
@@ -244,9 +258,7 @@ class GuideCompiler:
     def compile(self, guide_type: str, guide: str) -> xgrammar.CompiledGrammar:
         """The compiled guide, or InvalidGuide. A guide seen before skips the checks
         and comes from XGrammar's cache (keyed by its text): microseconds."""
-        key = hashlib.sha256(f"{guide_type}\0{guide}".encode()).digest()
-        if key not in self._valid:
-            grammar(guide_type, guide)  # the checks and their messages
+        check(guide_type, guide)
         compiler = self._compiler
         try:
             if guide_type == "json":
@@ -263,13 +275,8 @@ class GuideCompiler:
             raise
         except Exception as exc:
             raise InvalidGuide(
-                f"XGrammar cannot compile this {guide_type} guide: {_cause(exc)}"
+                f"invalid {guide_type} guide: XGrammar cannot compile it: {_cause(exc)}"
             ) from None
-        with self._lock:
-            self._valid[key] = None
-            self._valid.move_to_end(key)
-            while len(self._valid) > _VALID_GUIDES:
-                self._valid.popitem(last=False)
         return compiled
 
     def matcher(

@@ -15,6 +15,36 @@ import time
 
 from tritonllm.engine.scheduler import StepStats
 
+# The guides (structured outputs) whose requests stopped waiting for their compile.
+_GUIDE_COUNTERS = (
+    (
+        "tritonllm_engine_guides_compiled_total",
+        "Guided requests whose guide compiled (at once from XGrammar's cache when seen before)",
+        lambda g: g.compiled,
+    ),
+    (
+        "tritonllm_engine_guide_compile_seconds_total",
+        "Time the compile workers spent on those guides",
+        lambda g: g.compile_seconds,
+    ),
+    (
+        "tritonllm_engine_guide_wait_seconds_total",
+        "Time guided requests waited in the queue for their guide, compiled or refused",
+        lambda g: g.wait_seconds,
+    ),
+    (
+        "tritonllm_engine_guides_refused_total",
+        "Guided requests refused once their guide was tried: XGrammar could not compile it, "
+        "or its compile passed guide_compile_timeout_s",
+        lambda g: g.refused,
+    ),
+    (
+        "tritonllm_engine_guide_compile_timeouts_total",
+        "Of those, the guides whose compile passed guide_compile_timeout_s",
+        lambda g: g.too_slow,
+    ),
+)
+
 
 class EngineMetrics:
     def __init__(self, pb_utils, model: str, flush_interval_s: float = 0.25):
@@ -57,6 +87,10 @@ class EngineMetrics:
             "Prompt tokens found in the prefix cache (not prefilled)",
             family.COUNTER,
         )
+        self._guide_counters = [
+            (metric(name, description, family.COUNTER), value)
+            for name, description, value in _GUIDE_COUNTERS
+        ]
         self._flush_interval_s = flush_interval_s
         self._last_flush = 0.0
         self._pending_steps: list[StepStats] = []
@@ -69,6 +103,7 @@ class EngineMetrics:
         self._running = self._queued = self._step_seconds = None
         self._prompt_tokens = self._generated_tokens = None
         self._prefix_queries = self._prefix_hits = None
+        self._guide_counters = []
         self._families.clear()
 
     def on_step(self, stats: StepStats) -> None:
@@ -87,3 +122,6 @@ class EngineMetrics:
         self._prefix_queries.increment(sum(s.prefix_queried_tokens for s in steps))
         self._prefix_hits.increment(sum(s.prefix_hit_tokens for s in steps))
         self._step_seconds.set(sum(s.seconds for s in steps) / len(steps))
+        guides = [s.guides for s in steps if s.guides is not None]
+        for counter, value in self._guide_counters if guides else ():
+            counter.increment(sum(value(g) for g in guides))

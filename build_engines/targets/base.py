@@ -47,6 +47,9 @@ class EngineOptions:
     # most every (requests in flight / this) s, with all tokens made since (0: no budget;
     # tritonllm/response_thread.py). 1,000: as serve/config.py's stream_chunks_per_s.
     stream_chunks_per_s: float = 1000.0
+    # torch engine: a guide (structured outputs) whose compile takes longer is refused
+    # (tritonllm/engine/guide_compiles.py); its request waits meanwhile, the batch does not.
+    guide_compile_timeout_s: float = 5.0
     null_step_ms: float = 5.0  # null target (a benchmark instrument): the time of one step
     preprocessing_instance_count: int = 1
     dynamic_batching: DynamicBatching = field(default_factory=DynamicBatching)
@@ -55,6 +58,11 @@ class EngineOptions:
         if self.stream_chunks_per_s < 0:  # else Triton would refuse the model at load
             raise ValueError(
                 f"--stream-chunks-per-s {self.stream_chunks_per_s}: give 0 (no budget) or more"
+            )
+        if self.guide_compile_timeout_s <= 0:
+            raise ValueError(
+                f"--guide-compile-timeout-s {self.guide_compile_timeout_s}: give a time in "
+                "seconds above 0"
             )
 
 

@@ -184,6 +184,7 @@ def config_values(o: EngineOptions, checkpoint_ref: str, engine: str = "torch") 
             "prefix_cache_mb": o.prefix_cache_mb,
             "prefix_cache_block_size": o.prefix_cache_block_size,
             "stream_chunks_per_s": o.stream_chunks_per_s,
+            "guide_compile_timeout_s": o.guide_compile_timeout_s,
             "engine": engine,
             "null_step_ms": o.null_step_ms,
             "null_answer_tokens": 0,

@@ -5,6 +5,9 @@ applications use: the openai SDK's ``parse`` and ``stream``, and LangChain."""
 from __future__ import annotations
 
 import json
+import re
+import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Literal
@@ -16,6 +19,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.integration.cluster import serve_config
+from tests.unit.test_engine_guided import slow_regex
 
 pytestmark = pytest.mark.integration
 MODEL = "tritonllm-default"
@@ -399,3 +403,74 @@ def test_langchain_structured_output_and_bound_tools(url):
     (call,) = message.tool_calls[:1]
     assert call["name"] == "get_weather"
     assert set(call["args"]) == {"city", "days"} and isinstance(call["args"]["days"], int)
+
+
+# -- guides that take long to compile --------------------------------------------------
+
+
+def stream_timing(url: str, content: str, max_tokens: int = 64) -> tuple[float, float]:
+    """A plain streamed chat: (seconds to its first chunk, mean seconds per later token)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "stream": True}
+    body |= {"max_tokens": max_tokens, "ignore_eos": True}
+    body |= {"stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    times, tokens = [], 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=TIMEOUT_S) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if event["choices"] and event["choices"][0]["delta"].get("content"):
+                    times.append(time.perf_counter())
+                tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
+    return times[0] - sent, (times[-1] - times[0]) / max(tokens - 1, 1)
+
+
+def inter_token_p50(url: str, streams: int = 16) -> float:
+    with ThreadPoolExecutor(streams) as pool:
+        timings = list(pool.map(lambda i: stream_timing(url, f"Story {i}?"), range(streams)))
+    return statistics.median(per_token for _, per_token in timings)
+
+
+def test_a_guide_compiling_for_seconds_stalls_no_other_request_and_is_refused(url):
+    """While a regex whose compile takes 10 s or more waits for it (the engine's limit,
+    guide_compile_timeout_s, is 5 s), a plain chat starts at once and 16 plain streams
+    keep their pace; the guided request gets its 400 at the limit, and again at once."""
+    alone = inter_token_p50(url)
+    slow = {"model": MODEL, "messages": QUESTION, "max_tokens": 8}
+    slow |= {"structured_outputs": {"regex": slow_regex(240)}}
+
+    def refused() -> tuple[float, httpx.Response]:
+        sent = time.perf_counter()
+        response = httpx.post(f"{url}/v1/chat/completions", json=slow, timeout=TIMEOUT_S)
+        return time.perf_counter() - sent, response
+
+    with ThreadPoolExecutor(1) as pool:
+        guided = pool.submit(refused)
+        time.sleep(0.5)  # its compile has started
+        first_chunk_s, _ = stream_timing(url, "Where is the cat?", max_tokens=8)
+        during = inter_token_p50(url)
+        seconds, response = guided.result()
+    print(
+        f"guide refused after {seconds:.2f} s; a plain chat's first token {first_chunk_s:.2f} s; "
+        f"16 streams {during * 1000:.1f} ms a token ({alone * 1000:.1f} alone)"
+    )
+    assert response.status_code == 400, response.text
+    assert "exceeds the limit of 5 s" in response.json()["error"]["message"]
+    assert 5 <= seconds < 7, f"refused after {seconds:.1f} s"
+    assert first_chunk_s < 1, f"a plain chat waited {first_chunk_s:.2f} s for its first token"
+    assert during < 1.5 * alone + 0.005, f"{during * 1000:.1f} ms a token, {alone * 1000:.1f} alone"
+    again, response = refused()  # its compile runs on: refused without waiting
+    assert response.status_code == 400 and again < 1
+    deadline = time.monotonic() + 30  # the replicas push their figures every 5 s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text
+        timeouts = re.search(
+            r"^tritonllm_engine_guide_compile_timeouts_total\{.*\} (\S+)$", text, re.M
+        )
+        if timeouts and float(timeouts.group(1)) >= 1:
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError("no guide compile timeout in /metrics")
+    assert "tritonllm_engine_guide_wait_seconds_total{" in text

@@ -124,3 +124,8 @@ def test_the_null_target_fills_the_torch_configs_with_the_null_engine(
     assert 'key: "stream_chunks_per_s" value: { string_value: "0.0" }' in config
     assert main([*args, "--target", "torch", "--stream-chunks-per-s", "-5"]) == 2
     assert "give 0 (no budget) or more" in capsys.readouterr().err
+    assert 'key: "guide_compile_timeout_s" value: { string_value: "5.0" }' in config
+    assert main([*args, "--target", "torch", "--guide-compile-timeout-s", "0"]) == 2
+    assert "--guide-compile-timeout-s 0.0: give a time in seconds above 0" in (
+        capsys.readouterr().err
+    )

@@ -23,6 +23,8 @@ class CollectingSink:
         self.chunks = []
         self.times = []  # perf_counter() of each chunk
         self.errors = []
+        self.codes = []  # each error's Triton code
+        self.failed_at = None  # perf_counter() of the error
         self.done = threading.Event()
         self.cancelled = cancelled
 
@@ -32,8 +34,10 @@ class CollectingSink:
         if chunk.finished:
             self.done.set()
 
-    def fail(self, message):
+    def fail(self, message, code="INTERNAL"):
         self.errors.append(message)
+        self.codes.append(code)
+        self.failed_at = time.perf_counter()
         self.done.set()
 
     def is_cancelled(self):

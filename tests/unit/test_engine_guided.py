@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -255,3 +256,58 @@ def test_the_guide_tensors_reach_the_request():
     assert to_generation_request("r", tensors.get).guide_type is None
     tensors["guided_decoding_guide_type"] = np.array([[b""]], dtype=object)
     assert to_generation_request("r", tensors.get).guide_type is None
+
+
+# Bounded repetitions compile into many states: seconds to compile, whatever the request
+# (about 7 s on a 2-core machine; half as many, about 1 s).
+def slow_regex(repetitions: int) -> str:
+    return "".join(f"[a-{chr(ord('b') + i % 24)}]{{0,{50 + i}}}" for i in range(repetitions))
+
+
+SLOW_REGEX = slow_regex(170)
+LIMIT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def strict_engine(checkpoint_dir):
+    """An engine whose guides must compile within LIMIT_S."""
+    engine = Engine(
+        CausalLMRunner(checkpoint_dir, dtype=DTYPE),
+        max_batch_size=4,
+        guide_compile_timeout_s=LIMIT_S,
+    )
+    yield engine
+    engine.shutdown()
+
+
+def test_a_slow_guide_compiles_off_the_loop_and_is_refused_at_the_limit(strict_engine, tokenizer):
+    """The running batch keeps stepping and a plain request starts at once while a
+    guide compiles; past the limit the guided request fails (a 400's words), and the
+    same guide sent again is refused at once while its compile runs on."""
+    engine = strict_engine
+    running = run(
+        engine, tokenizer, None, "", max_tokens=60, rid="running", end_id=-1, streaming=True
+    )
+    deadline = time.monotonic() + 30
+    while not running.chunks and time.monotonic() < deadline:  # the batch is stepping
+        time.sleep(0.01)
+    started = time.perf_counter()
+    slow = run(engine, tokenizer, "regex", SLOW_REGEX, rid="slow")
+    assert time.perf_counter() - started < 0.5  # submit checks the guide, never compiles it
+    plain = run(engine, tokenizer, None, "", max_tokens=4, rid="plain")
+    assert plain.done.wait(LIMIT_S) and not plain.errors
+    assert slow.done.wait(LIMIT_S + 2) and not slow.chunks
+    assert "exceeds the limit of 1 s" in slow.errors[0] and "regex" in slow.errors[0]
+    assert slow.codes == ["INVALID_ARG"] and slow.failed_at - started < LIMIT_S + 0.3
+    assert running.done.wait(30) and not running.errors
+    gaps = [b - a for a, b in zip(running.times, running.times[1:], strict=False)]
+    assert max(gaps) < 0.3, f"the batch stalled {max(gaps):.2f} s while the guide compiled"
+    with pytest.raises(InvalidRequest, match="exceeds the limit"):
+        run(engine, tokenizer, "regex", SLOW_REGEX, rid="again")
+
+
+def test_a_request_that_leaves_while_its_guide_compiles_is_cancelled(strict_engine, tokenizer):
+    guide = slow_regex(100)  # a guide of its own, about a second to compile
+    sink = run(strict_engine, tokenizer, "regex", guide, rid="leaves")
+    strict_engine.cancel("leaves")
+    assert sink.done.wait(1) and sink.chunks[-1].finish_reason == "cancelled" and not sink.errors

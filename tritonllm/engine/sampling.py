@@ -196,7 +196,8 @@ class TokenSampler:
         for at, token in enumerate(resumed):
             if token == self._end_id or not self._matcher.accept_token(token):
                 raise InvalidRequest(
-                    f"the resumed output leaves the guide's grammar at its token {at} ({token})"
+                    f"invalid resumed output: it leaves the guide's grammar at its token {at} "
+                    f"({token})"
                 )
 
     def _accept(self, token: int) -> None:

@@ -33,6 +33,12 @@ from typing import Protocol
 import torch
 
 from tritonllm import guided
+from tritonllm.engine.guide_compiles import (
+    DEFAULT_TIMEOUT_S,
+    GuideCompiles,
+    GuideTooSlow,
+    PendingGuide,
+)
 from tritonllm.engine.lora import Adapter, LoraCacheFull
 from tritonllm.engine.null_engine import NullRunner
 from tritonllm.engine.prefix_cache import ROOT
@@ -111,7 +117,7 @@ class ResponseSink(Protocol):
 
     def send(self, chunk: GenerationChunk) -> None: ...
 
-    def fail(self, message: str) -> None: ...
+    def fail(self, message: str, code: str = "INTERNAL") -> None: ...
 
     def is_cancelled(self) -> bool: ...
 
@@ -127,6 +133,18 @@ class StepStats:
     seconds: float
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # of those, tokens found there (not prefilled)
+    guides: GuideStats | None = None  # the guides settled since the last step
+
+
+@dataclass
+class GuideStats:
+    """Guides whose requests stopped waiting: compiled, refused, or past the limit."""
+
+    compiled: int = 0
+    compile_seconds: float = 0.0  # their compiles' time on the workers
+    wait_seconds: float = 0.0  # their requests' wait, from arrival to ready
+    refused: int = 0  # invalid, or past the compile limit
+    too_slow: int = 0  # of those, past the limit
 
 
 class EngineObserver(Protocol):
@@ -137,7 +155,7 @@ class EngineObserver(Protocol):
 class Sequence:
     request: GenerationRequest
     sink: ResponseSink
-    sampler: TokenSampler  # or any callable of the same shape (the null engine's)
+    sampler: TokenSampler | None  # or any callable of its shape; None: a guide compiling
     history: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     log_probs: list[TokenLogProbs] = field(default_factory=list)  # if the request asks
@@ -151,6 +169,7 @@ class Sequence:
     answered: bool = False  # its first response is out
     ended_by_end_id: bool = False  # the end token came (counted, not in generated)
     adapter: Adapter | None = None  # its LoRA adapter, held from submit until it leaves
+    guide: PendingGuide | None = None  # its guide, until compiled (then in its sampler)
 
     @property
     def request_id(self) -> str:
@@ -189,6 +208,7 @@ class Engine:
         guide_compiler: GuideCompiler | None = None,
         max_lora_rank: int = 64,
         lora_cache_bytes: int = 256 * 2**20,
+        guide_compile_timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
         self.runner = runner
         # torch's intra-op thread count is per OS thread (a thread started inside
@@ -235,6 +255,11 @@ class Engine:
         # tokenizer, for the logits' width.
         self._guides = guide_compiler
         self._guides_lock = threading.Lock()
+        # Guides compile off this loop: their requests wait in the queue meanwhile.
+        self._compiles = GuideCompiles(
+            self._guide_compiler, guide_compile_timeout_s, on_ready=self._wake
+        )
+        self._guide_stats = GuideStats()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -248,12 +273,16 @@ class Engine:
                 f"prompt of {len(request.input_ids)} tokens exceeds the engine's max_num_tokens "
                 f"({self.max_num_tokens} per step, chunked context off); shorten the prompt"
             )
-        sampler = self._sampler(request)
+        guide = self._start_guide(request)
+        sampler = None if guide else self._sampler(request)
         adapter = self._acquire_adapter(request)
-        seq = Sequence(request, sink, sampler, history=list(request.input_ids), adapter=adapter)
+        seq = Sequence(
+            request, sink, sampler, list(request.input_ids), adapter=adapter, guide=guide
+        )
         with self._lock:
             if len(self._pending) >= self.max_queue_size:
                 self._release_adapter(seq)
+                self._abandon_guide(seq)
                 raise EngineBusy(
                     f"engine queue is full ({self.max_queue_size} requests waiting); retry later"
                 )
@@ -275,21 +304,32 @@ class Engine:
             self._stopping = True
             self._lock.notify()
         self._thread.join(timeout_s)
+        self._compiles.shutdown()
 
-    def _sampler(self, request: GenerationRequest):
-        """The request's own sampler; a runner that picks tokens itself (the null
-        engine, a benchmark instrument) gives its own, which checks a guide but follows
-        none. A guide is compiled here (each distinct one once), so an invalid one is
-        the request's InvalidRequest, before any scheduling."""
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify()
+
+    def _start_guide(self, request: GenerationRequest) -> PendingGuide | None:
+        """The request's guide, checked (an invalid one is its InvalidRequest, before any
+        scheduling) and its compile started off the loop; None without one, or for a
+        runner that picks tokens itself (it checks the guide, and follows none)."""
+        if request.guide_type is None:
+            return None
+        guided.check(request.guide_type, request.guide)
         if hasattr(self.runner, "sampler"):
-            if request.guide_type is not None:
-                guided.grammar(request.guide_type, request.guide)
+            return None
+        return self._compiles.start(request.guide_type, request.guide)
+
+    def _sampler(self, request: GenerationRequest, compiled=None):
+        """The request's own sampler, following its ``compiled`` guide; a runner that
+        picks tokens itself (the null engine, a benchmark instrument) gives its own."""
+        if hasattr(self.runner, "sampler"):
             return self.runner.sampler(request)
         resumed = request.resumed_ids
-        if request.guide_type is None:
+        if compiled is None:
             return TokenSampler(request.sampling, request.end_id, resumed=resumed)
         compiler = self._guide_compiler()
-        compiled = compiler.compile(request.guide_type, request.guide)
         matcher = compiler.matcher(compiled, request.end_id)
         return TokenSampler(
             request.sampling, request.end_id, matcher, compiler.vocab_size, resumed=resumed
@@ -351,17 +391,30 @@ class Engine:
                     self._fail(seq, f"engine step failed: {exc}")
                 self._compact()
         for seq in [*self._running, *self._pending]:
+            self._abandon_guide(seq)
             self._finish(seq, "cancelled")
 
     def _wait_for_work(self) -> bool:
+        """Until there is something to step: a running sequence, or a queued request
+        that can start or end (a guide still compiling keeps its request waiting, and
+        is looked at again when a compile ends, its deadline passes, or in a moment, for
+        a client that left)."""
         with self._lock:
-            while not (self._stopping or self._running or self._pending):
-                self._lock.wait()
+            while not (self._stopping or self._running or self._cancelled):
+                now = time.monotonic()
+                waiting = [s.guide for s in self._pending if s.guide is not None]
+                if len(waiting) < len(self._pending) or any(g.ready(now) for g in waiting):
+                    break
+                if any(_disconnected(s) for s in self._pending):
+                    break
+                deadline = min((g.deadline for g in waiting), default=None)
+                self._lock.wait(None if deadline is None else min(deadline - now, 0.1))
             return not self._stopping
 
     def step(self) -> None:
         start = time.perf_counter()
         self._drop_cancelled()
+        self._settle_guides()
         self._compact()
         admitted = self._admit()
         prompt_tokens = sum(len(s.request.input_ids) for s in admitted)
@@ -384,6 +437,7 @@ class Engine:
                 seconds=time.perf_counter() - start,
                 prefix_queried_tokens=prompt_tokens if self._prefix is not None else 0,
                 prefix_hit_tokens=hits,
+                guides=self._take_guide_stats(),
             )
             try:
                 self._observer.on_step(stats)
@@ -397,29 +451,70 @@ class Engine:
             for seq in queued:
                 self._pending.remove(seq)
         for seq in queued:
+            self._abandon_guide(seq)
             self._finish(seq, "cancelled")
             self._forget(seq)
         for seq in self._running:
             if seq.request_id in stopped or _disconnected(seq):
                 self._finish(seq, "cancelled")
 
+    def _settle_guides(self) -> None:
+        """Queued requests whose guide is ready get their sampler; a guide XGrammar
+        refuses, or one past the compile limit, fails its request (a 400)."""
+        now = time.monotonic()
+        with self._lock:
+            ready = [s for s in self._pending if s.guide is not None and s.guide.ready(now)]
+        for seq in ready:
+            guide, seq.guide = seq.guide, None
+            stats = self._guide_stats
+            stats.wait_seconds += now - guide.started
+            try:
+                compiled = self._compiles.settle(guide)
+                seq.sampler = self._sampler(seq.request, compiled.grammar)
+            except Exception as error:
+                stats.refused += 1
+                stats.too_slow += isinstance(error, GuideTooSlow)
+                with self._lock:
+                    self._pending.remove(seq)
+                code = "INVALID_ARG" if isinstance(error, InvalidRequest) else "INTERNAL"
+                self._fail(seq, str(error), code)
+                self._forget(seq)
+                continue
+            stats.compiled += 1
+            stats.compile_seconds += compiled.seconds
+
+    def _abandon_guide(self, seq: Sequence) -> None:
+        if seq.guide is not None:
+            self._compiles.abandon(seq.guide)
+            seq.guide = None
+
+    def _take_guide_stats(self) -> GuideStats | None:
+        stats, self._guide_stats = self._guide_stats, GuideStats()
+        return stats if stats.compiled or stats.refused else None
+
     def _admit(self) -> list[Sequence]:
         """Move queued requests (first come, first served) into free slots; each starts
         with the longest prefix the prefix cache holds already in its slot. Without
-        chunked context, only while their whole prompts fit the step's token budget."""
+        chunked context, only while their whole prompts fit the step's token budget. A
+        request whose guide still compiles keeps its place; the others pass it."""
         budget = self.max_num_tokens - len(self._running)
         admitted = []
         with self._lock:
-            while self._pending and len(self._running) < self.max_batch_size:
-                history = self._pending[0].history
+            for seq in [s for s in self._pending if s.sampler is not None]:
+                if len(self._running) >= self.max_batch_size:
+                    break
+                history = seq.history
                 # A prompt's log probabilities need its logits: none come from the cache.
-                reads_cache = not self._pending[0].request.return_prompt_log_probs
-                root = self._pending[0].prefix_root
-                chain = self._prefix.match(history, root) if self._prefix and reads_cache else []
+                reads_cache = not seq.request.return_prompt_log_probs
+                chain = (
+                    self._prefix.match(history, seq.prefix_root)
+                    if self._prefix and reads_cache
+                    else []
+                )
                 computed = len(history) - (len(chain) * self._prefix.block_size if chain else 0)
                 if computed > budget and not self.chunked_context:
                     break
-                seq = self._pending.popleft()
+                self._pending.remove(seq)
                 budget -= computed
                 seq.slot = len(self._running)
                 # Loaded at once: nothing is saved (so nothing evicted) in between.
@@ -599,12 +694,12 @@ class Engine:
             log.exception("could not send a response of %s; dropping it", seq.request_id)
             seq.finish_reason = "error"
 
-    def _fail(self, seq: Sequence, message: str) -> None:
+    def _fail(self, seq: Sequence, message: str, code: str = "INTERNAL") -> None:
         if seq.finish_reason is not None:  # its final response is already out
             return
         seq.finish_reason = "error"
         try:
-            seq.sink.fail(message)
+            seq.sink.fail(message, code)
         except Exception:
             log.exception("could not send the error of %s", seq.request_id)
 

@@ -48,6 +48,7 @@ class TritonPythonModel(DecoupledEngineModel):
             prefix_block_size=model_args.int("prefix_cache_block_size", 16),
             max_lora_rank=model_args.int("max_lora_rank", 64),
             lora_cache_bytes=model_args.int("lora_cache_host_memory_bytes", 256 * 2**20),
+            guide_compile_timeout_s=float(model_args.str("guide_compile_timeout_s", "5")),
         )
 
     def finalize(self):

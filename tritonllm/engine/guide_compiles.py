@@ -1,0 +1,170 @@
+"""Guides compiled off the engine's serving path, each within a time limit.
+
+XGrammar's compile (the token masks of a guide's grammar over the model's vocabulary)
+takes time that grows with the grammar, not with the request: a regex of many bounded
+repetitions, or a JSON Schema ``pattern`` holding one, takes seconds to minutes. Done in
+Triton's ``execute`` call or in the step loop, it would hold every other request of the
+model. Here it runs on a worker thread (XGrammar releases the GIL while it compiles) at
+the lowest CPU priority, while its request waits in the engine's queue and the running
+batch keeps stepping (vLLM's ``WAITING_FOR_FSM``).
+
+A compile still running at its request's deadline fails that request (the guide is
+refused as too slow to serve). XGrammar cannot stop a compile, and a compile cannot move
+to a process that could be killed (a compiled regex grammar serializes to hundreds of
+MB), so the thread runs on at that priority; the guide is remembered meanwhile, and sent
+again it is refused at once. Once such a compile ends, its grammar is in XGrammar's
+cache and the guide is served from there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tritonllm.guided import GuideCompiler, InvalidGuide
+
+if TYPE_CHECKING:
+    import xgrammar
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 5.0
+# Compiles at once. Each runs at the lowest priority, so they share what the engine leaves
+# of the CPU; a compile past its limit holds its thread until it ends, so it takes this
+# many such compiles at once before a new guide waits for a thread.
+DEFAULT_WORKERS = 4
+_SLOW_GUIDES = 1024  # guides remembered as too slow while their compile runs on
+
+
+class GuideTooSlow(InvalidGuide):
+    """The guide's compile passed the time limit: the request is refused (a 400)."""
+
+
+@dataclass(frozen=True)
+class Compiled:
+    grammar: xgrammar.CompiledGrammar
+    seconds: float  # how long its compile took on the worker
+
+
+@dataclass
+class PendingGuide:
+    """One request's guide on its way: ready once compiled, failed or past its deadline."""
+
+    guide_type: str
+    key: bytes
+    future: Future
+    deadline: float  # time.monotonic()
+    started: float = field(default_factory=time.monotonic)
+
+    def ready(self, now: float) -> bool:
+        return self.future.done() or now >= self.deadline
+
+
+class GuideCompiles:
+    """Compiles on ``workers`` threads, one per distinct guide in flight, each request's
+    within ``timeout_s`` of its arrival (its wait for a worker included); ``on_ready`` is
+    called (on the worker) when a compile ends, so that the engine's loop wakes."""
+
+    def __init__(
+        self,
+        compiler: Callable[[], GuideCompiler],
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        workers: int = DEFAULT_WORKERS,
+        on_ready: Callable[[], None] = lambda: None,
+    ):
+        self._compiler = compiler  # made on first use, on a worker (XGrammar's import)
+        self.timeout_s = timeout_s
+        self._on_ready = on_ready
+        self._pool = ThreadPoolExecutor(
+            workers, thread_name_prefix="guide-compile", initializer=_lowest_priority
+        )
+        # Reentrant: a future that is already done runs its callback (which takes the
+        # lock) in the thread that adds it or cancels it.
+        self._lock = threading.RLock()
+        self._in_flight: dict[bytes, Future] = {}
+        self._waiting: Counter[bytes] = Counter()  # requests waiting for each compile
+        self._too_slow: OrderedDict[bytes, None] = OrderedDict()
+
+    def start(self, guide_type: str, guide: str) -> PendingGuide:
+        """The guide's compile, started or joined; raises :class:`GuideTooSlow` at once
+        for a guide whose compile passed the limit and still runs."""
+        key = hashlib.sha256(f"{guide_type}\0{guide}".encode()).digest()
+        with self._lock:
+            if key in self._too_slow:
+                raise GuideTooSlow(self._too_slow_message(guide_type))
+            future = self._in_flight.get(key)
+            if future is None:
+                future = self._pool.submit(self._compile, guide_type, guide)
+                self._in_flight[key] = future
+                future.add_done_callback(lambda _: self._ended(key))
+            self._waiting[key] += 1
+        now = time.monotonic()
+        return PendingGuide(guide_type, key, future, now + self.timeout_s, now)
+
+    def settle(self, pending: PendingGuide) -> Compiled:
+        """A ready guide's compiled grammar; :class:`InvalidGuide` for a guide XGrammar
+        refused, :class:`GuideTooSlow` past the deadline (the guide is then refused
+        until its compile ends)."""
+        self._release(pending)
+        if pending.future.done():
+            return pending.future.result()
+        with self._lock:
+            self._too_slow[pending.key] = None
+            while len(self._too_slow) > _SLOW_GUIDES:
+                self._too_slow.popitem(last=False)
+        log.warning(
+            "a %s guide passed the compile limit of %g s", pending.guide_type, self.timeout_s
+        )
+        raise GuideTooSlow(self._too_slow_message(pending.guide_type))
+
+    def abandon(self, pending: PendingGuide) -> None:
+        """Its request left: a compile no other request waits for is dropped if it has
+        not started (a running compile cannot be stopped)."""
+        if self._release(pending) == 0:
+            pending.future.cancel()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _release(self, pending: PendingGuide) -> int:
+        with self._lock:
+            self._waiting[pending.key] -= 1
+            left = self._waiting[pending.key]
+            if left <= 0:
+                del self._waiting[pending.key]
+            return left
+
+    def _too_slow_message(self, guide_type: str) -> str:
+        return (
+            f"compiling this {guide_type} guide exceeds the limit of {self.timeout_s:g} s "
+            "(guide_compile_timeout_s): send a smaller or simpler guide (fewer or shorter "
+            "bounded repetitions, a shallower schema)"
+        )
+
+    def _compile(self, guide_type: str, guide: str) -> Compiled:
+        started = time.perf_counter()
+        grammar = self._compiler().compile(guide_type, guide)
+        return Compiled(grammar, time.perf_counter() - started)
+
+    def _ended(self, key: bytes) -> None:
+        with self._lock:
+            self._in_flight.pop(key, None)
+            self._too_slow.pop(key, None)  # compiled now: XGrammar's cache serves it
+        self._on_ready()
+
+
+def _lowest_priority() -> None:
+    """A compile's thread (and the threads XGrammar starts from it, which inherit its
+    priority) yields the CPU to the engine, Triton and the tokenizers."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: per thread
+    except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
+        pass
