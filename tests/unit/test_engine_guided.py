@@ -298,7 +298,7 @@ def test_a_slow_guide_compiles_off_the_loop_and_is_refused_at_the_limit(strict_e
     assert plain.done.wait(LIMIT_S) and not plain.errors
     assert slow.done.wait(LIMIT_S + 2) and not slow.chunks
     assert "exceeds the limit of 1 s" in slow.errors[0] and "regex" in slow.errors[0]
-    assert slow.codes == ["INVALID_ARG"] and slow.failed_at - started < LIMIT_S + 0.3
+    assert slow.codes == ["INVALID_ARG"] and slow.failed_at - started < LIMIT_S + 1
     assert running.done.wait(30) and not running.errors
     gaps = [b - a for a, b in zip(running.times, running.times[1:], strict=False)]
     assert max(gaps) < 0.3, f"the batch stalled {max(gaps):.2f} s while the guide compiled"

@@ -41,11 +41,17 @@ DEFAULT_TIMEOUT_S = 5.0
 # of the CPU; a compile past its limit holds its thread until it ends, so it takes this
 # many such compiles at once before a new guide waits for a thread.
 DEFAULT_WORKERS = 4
+# How long a request may wait for a free worker (at least; 6 compile limits if longer).
+DEFAULT_WAIT_LIMIT_S = 30.0
 _SLOW_GUIDES = 1024  # guides remembered as too slow while their compile runs on
 
 
 class GuideTooSlow(InvalidGuide):
     """The guide's compile passed the time limit: the request is refused (a 400)."""
+
+
+class CompilersBusy(RuntimeError):
+    """Every compile worker stayed busy with other guides: the request may retry (503)."""
 
 
 @dataclass(frozen=True)
@@ -55,23 +61,40 @@ class Compiled:
 
 
 @dataclass
+class _Compile:
+    """One guide's compile, shared by the requests that wait for it."""
+
+    future: Future | None = None  # set as it is submitted
+    started: float | None = None  # time.monotonic() when a worker began compiling it
+
+
+@dataclass
 class PendingGuide:
-    """One request's guide on its way: ready once compiled, failed or past its deadline."""
+    """One request's guide on its way: ready once compiled or failed, once its compile has
+    run past the limit, or once it has waited too long for a worker."""
 
     guide_type: str
     key: bytes
-    future: Future
-    deadline: float  # time.monotonic()
-    started: float = field(default_factory=time.monotonic)
+    compile: _Compile
+    limit_s: float  # on the compile, from when a worker starts it
+    wait_limit_s: float  # on the wait for a worker
+    arrived: float = field(default_factory=time.monotonic)
 
     def ready(self, now: float) -> bool:
-        return self.future.done() or now >= self.deadline
+        started = self.compile.started
+        if self.compile.future.done():
+            return True
+        if started is None:
+            return now - self.arrived >= self.wait_limit_s
+        return now - started >= self.limit_s
 
 
 class GuideCompiles:
-    """Compiles on ``workers`` threads, one per distinct guide in flight, each request's
-    within ``timeout_s`` of its arrival (its wait for a worker included); ``on_ready`` is
-    called (on the worker) when a compile ends, so that the engine's loop wakes."""
+    """Compiles on ``workers`` threads, one per distinct guide in flight; a request waits
+    for its guide's compile at most ``timeout_s`` once a worker has started it (the
+    compiler's own setup, XGrammar's import and the tokenizer's vocabulary, excluded), and
+    at most ``wait_limit_s`` for a worker. ``on_ready`` is called (on the worker) when a
+    compile ends, so that the engine's loop wakes."""
 
     def __init__(
         self,
@@ -79,9 +102,11 @@ class GuideCompiles:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         workers: int = DEFAULT_WORKERS,
         on_ready: Callable[[], None] = lambda: None,
+        wait_limit_s: float | None = None,
     ):
         self._compiler = compiler  # made on first use, on a worker (XGrammar's import)
         self.timeout_s = timeout_s
+        self.wait_limit_s = wait_limit_s or max(DEFAULT_WAIT_LIMIT_S, 6 * timeout_s)
         self._on_ready = on_ready
         self._pool = ThreadPoolExecutor(
             workers, thread_name_prefix="guide-compile", initializer=_lowest_priority
@@ -89,7 +114,7 @@ class GuideCompiles:
         # Reentrant: a future that is already done runs its callback (which takes the
         # lock) in the thread that adds it or cancels it.
         self._lock = threading.RLock()
-        self._in_flight: dict[bytes, Future] = {}
+        self._in_flight: dict[bytes, _Compile] = {}
         self._waiting: Counter[bytes] = Counter()  # requests waiting for each compile
         self._too_slow: OrderedDict[bytes, None] = OrderedDict()
 
@@ -100,22 +125,27 @@ class GuideCompiles:
         with self._lock:
             if key in self._too_slow:
                 raise GuideTooSlow(self._too_slow_message(guide_type))
-            future = self._in_flight.get(key)
-            if future is None:
-                future = self._pool.submit(self._compile, guide_type, guide)
-                self._in_flight[key] = future
-                future.add_done_callback(lambda _: self._ended(key))
+            compile = self._in_flight.get(key)
+            if compile is None:
+                compile = _Compile()
+                compile.future = self._pool.submit(self._compile, guide_type, guide, compile)
+                self._in_flight[key] = compile
+                compile.future.add_done_callback(lambda _: self._ended(key))
             self._waiting[key] += 1
-        now = time.monotonic()
-        return PendingGuide(guide_type, key, future, now + self.timeout_s, now)
+        return PendingGuide(guide_type, key, compile, self.timeout_s, self.wait_limit_s)
 
     def settle(self, pending: PendingGuide) -> Compiled:
         """A ready guide's compiled grammar; :class:`InvalidGuide` for a guide XGrammar
-        refused, :class:`GuideTooSlow` past the deadline (the guide is then refused
-        until its compile ends)."""
+        refused, :class:`GuideTooSlow` past the limit (the guide is then refused until its
+        compile ends), :class:`CompilersBusy` after the longest wait for a worker."""
         self._release(pending)
-        if pending.future.done():
-            return pending.future.result()
+        if pending.compile.future.done():
+            return pending.compile.future.result()
+        if pending.compile.started is None:
+            raise CompilersBusy(
+                f"no guide compiler was free within {self.wait_limit_s:g} s (all of them are "
+                "compiling other guides): the server is unavailable for new guides; retry later"
+            )
         with self._lock:
             self._too_slow[pending.key] = None
             while len(self._too_slow) > _SLOW_GUIDES:
@@ -129,7 +159,7 @@ class GuideCompiles:
         """Its request left: a compile no other request waits for is dropped if it has
         not started (a running compile cannot be stopped)."""
         if self._release(pending) == 0:
-            pending.future.cancel()
+            pending.compile.future.cancel()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -149,9 +179,11 @@ class GuideCompiles:
             "bounded repetitions, a shallower schema)"
         )
 
-    def _compile(self, guide_type: str, guide: str) -> Compiled:
+    def _compile(self, guide_type: str, guide: str, compile: _Compile) -> Compiled:
+        compiler = self._compiler()
+        compile.started = time.monotonic()
         started = time.perf_counter()
-        grammar = self._compiler().compile(guide_type, guide)
+        grammar = compiler.compile(guide_type, guide)
         return Compiled(grammar, time.perf_counter() - started)
 
     def _ended(self, key: bytes) -> None:

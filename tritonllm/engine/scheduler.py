@@ -35,6 +35,7 @@ import torch
 from tritonllm import guided
 from tritonllm.engine.guide_compiles import (
     DEFAULT_TIMEOUT_S,
+    CompilersBusy,
     GuideCompiles,
     GuideTooSlow,
     PendingGuide,
@@ -396,9 +397,9 @@ class Engine:
 
     def _wait_for_work(self) -> bool:
         """Until there is something to step: a running sequence, or a queued request
-        that can start or end (a guide still compiling keeps its request waiting, and
-        is looked at again when a compile ends, its deadline passes, or in a moment, for
-        a client that left)."""
+        that can start or end (a guide still compiling keeps its request waiting; it is
+        looked at again when a compile ends, and every 0.1 s for a limit passed or a
+        client that left)."""
         with self._lock:
             while not (self._stopping or self._running or self._cancelled):
                 now = time.monotonic()
@@ -407,8 +408,7 @@ class Engine:
                     break
                 if any(_disconnected(s) for s in self._pending):
                     break
-                deadline = min((g.deadline for g in waiting), default=None)
-                self._lock.wait(None if deadline is None else min(deadline - now, 0.1))
+                self._lock.wait(0.1 if waiting else None)
             return not self._stopping
 
     def step(self) -> None:
@@ -467,7 +467,7 @@ class Engine:
         for seq in ready:
             guide, seq.guide = seq.guide, None
             stats = self._guide_stats
-            stats.wait_seconds += now - guide.started
+            stats.wait_seconds += now - guide.arrived
             try:
                 compiled = self._compiles.settle(guide)
                 seq.sampler = self._sampler(seq.request, compiled.grammar)
@@ -476,8 +476,7 @@ class Engine:
                 stats.too_slow += isinstance(error, GuideTooSlow)
                 with self._lock:
                     self._pending.remove(seq)
-                code = "INVALID_ARG" if isinstance(error, InvalidRequest) else "INTERNAL"
-                self._fail(seq, str(error), code)
+                self._fail(seq, str(error), _triton_code(error))
                 self._forget(seq)
                 continue
             stats.compiled += 1
@@ -750,6 +749,14 @@ def _prefill_groups(
             groups.append([(seq, length)])
             real = length
     return groups
+
+
+def _triton_code(error: Exception) -> str:
+    """The Triton error code of a request's refusal: the client's mistake (a 400), a
+    retry (a 503), or the server's fault (a 500)."""
+    if isinstance(error, InvalidRequest):
+        return "INVALID_ARG"
+    return "UNAVAILABLE" if isinstance(error, CompilersBusy) else "INTERNAL"
 
 
 def _disconnected(seq: Sequence) -> bool:
