@@ -31,6 +31,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tritonllm import schema_checks
 from tritonllm.contract import GUIDE_TYPES
 from tritonllm.tokenization import InvalidRequest
 
@@ -89,6 +90,8 @@ def grammar(guide_type: str, guide: str) -> xgrammar.Grammar:
     Needs no tokenizer (the API layer's check before sending; the engine's first step).
     """
     check_guide(guide_type, guide)
+    if guide_type in ("json_schema", "structural_tag"):
+        _check_depth(guide_type, guide)
     import xgrammar as xgr
 
     if guide_type == "json":
@@ -103,6 +106,24 @@ def grammar(guide_type: str, guide: str) -> xgrammar.Grammar:
     except Exception as exc:  # XGrammar raises RuntimeError from C++ parse errors
         what = "regular expression" if guide_type == "regex" else "EBNF grammar (root rule: root)"
         raise InvalidGuide(f"{guide_type} guide is not a valid {what}: {_cause(exc)}") from None
+
+
+def _check_depth(guide_type: str, guide: str) -> None:
+    depth = schema_checks.json_depth(guide)
+    if depth > schema_checks.MAX_DEPTH:
+        raise InvalidGuide(
+            f"{guide_type} guide nests {depth} levels of arrays and objects, more than the "
+            f"limit of {schema_checks.MAX_DEPTH}: flatten the schema"
+        )
+
+
+def _check_refs(guide_type: str, document) -> None:
+    refs = schema_checks.external_refs(document)
+    if refs:
+        raise InvalidGuide(
+            f"{guide_type} guide refers to a schema outside it ($ref {refs[0]!r}), which is "
+            'never fetched: put it under "$defs" and refer to it as "#/$defs/..."'
+        )
 
 
 def check(guide_type: str, guide: str) -> None:
@@ -132,6 +153,7 @@ def _json_schema_grammar(guide: str) -> xgrammar.Grammar:
         raise InvalidGuide(
             f"json_schema guide must be a JSON object (or a boolean), got {type(schema).__name__}"
         )
+    _check_refs("json_schema", schema)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -155,6 +177,7 @@ def _structural_tag_grammar(guide: str) -> xgrammar.Grammar:
     import xgrammar as xgr
 
     text = structural_tag_json(guide)
+    _check_refs("structural_tag", json.loads(text))
     try:
         return xgr.Grammar.from_structural_tag(text)
     except Exception as exc:  # InvalidStructuralTagError

@@ -16,7 +16,7 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from serve.api.answer import (
     Answer,
@@ -52,6 +52,7 @@ from serve.api.messages_schemas import (
 )
 from serve.api.prepare import BackendDep, chat_turn
 from serve.api.responses import EventStream, one_line
+from serve.api.schemas import ChatCompletionRequest
 
 log = logging.getLogger("ray.serve")
 
@@ -60,7 +61,7 @@ messages_router = APIRouter(dependencies=[Depends(require_messages_api_key)])
 
 @messages_router.post(MESSAGES_PATH)
 async def create_message(body: MessagesRequest, request: Request, backend: BackendDep):
-    turn = chat_turn(body.chat_request(), request, backend)
+    turn = chat_turn(_chat_request(body), request, backend)
     message_id = f"msg_{uuid.uuid4().hex}"
     if not body.stream:
         answer = await whole_answer(backend, turn)
@@ -68,6 +69,13 @@ async def create_message(body: MessagesRequest, request: Request, backend: Backe
     events = await start_answer(backend, turn)
     stream = _stream(message_id, turn.served, events)
     return EventStream(stream)
+
+
+def _chat_request(body: MessagesRequest) -> ChatCompletionRequest:
+    try:
+        return body.chat_request()
+    except ValidationError as error:  # what the blocks say only once they are messages
+        raise APIError(f"messages: {error.errors()[0]['msg']}", "messages") from None
 
 
 def tool_use_id(call_id: str) -> str:

@@ -181,7 +181,7 @@ class ToolParam(_Strict):
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
-    strict: bool | None = None  # accepted; the input schema is always enforced
+    strict: bool | None = None  # as chat's: unenforced keywords are then a 400
 
     @model_validator(mode="before")
     @classmethod
@@ -206,6 +206,8 @@ class ToolParam(_Strict):
         function = {"name": self.name, "parameters": self.input_schema}
         if self.description is not None:
             function["description"] = self.description
+        if self.strict is not None:
+            function["strict"] = self.strict
         return {"type": "function", "function": function}
 
 
@@ -267,6 +269,24 @@ class MessagesRequest(_Strict):
                 "the last message is the assistant's (a prefill), which is not supported: "
                 "end with a user message"
             )
+        return messages
+
+    @field_validator("messages")
+    @classmethod
+    def _results_answer_calls(cls, messages):
+        """Each tool_result answers a tool_use of the assistant message right before it,
+        as Anthropic requires (in its words)."""
+        for i, message in enumerate(messages):
+            results = [b.tool_use_id for b in message.blocks if b.type == "tool_result"]
+            before = messages[i - 1].blocks if i else []
+            made = {b.id for b in before if b.type == "tool_use"}
+            unknown = [result for result in results if result not in made]
+            if unknown:
+                raise ValueError(
+                    f"messages.{i}: unexpected tool_use_id found in tool_result blocks: "
+                    f"{', '.join(unknown)}. Each tool_result block must have a corresponding "
+                    "tool_use block in the previous message"
+                )
         return messages
 
     @field_validator("tool_choice")

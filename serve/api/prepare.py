@@ -186,9 +186,17 @@ def _chat_guide(
     """The guide, and the call syntax the answer is read with (None: not read for calls):
     the output format's guide, or the tools' (which must be called when tool_choice is
     required or names one). With tool_choice auto and a response_format both, the format
-    wins: the answer is the format, never a call."""
+    wins: the answer is the format, never a call; with a forced call, both cannot hold
+    (a 400, as vLLM answers)."""
     output = body.output_guide()
     if syntax is None or (output is not None and body.tool_choice in (None, "auto")):
         return output, None
+    if output is not None:  # a forced call, held to its tool's schema, or the format
+        raise APIError(
+            f"{output.param} cannot be combined with a forced tool call (tool_choice required "
+            "or a named function): the call's arguments follow the tool's parameters; send "
+            "tool_choice auto, or no structured output",
+            "tool_choice",
+        )
     parallel = body.parallel_tool_calls is not False
     return tool_guide(body.tools, body.tool_choice, parallel, syntax), syntax

@@ -142,13 +142,20 @@ def _chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompl
         raise APIError(f"input: {first['msg']}", "input") from None
 
 
-# Chat's fields that a refusal may name, as the Responses API calls them.
-_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+# Chat's fields that a refusal may name, as the Responses API calls them (longest first).
+_FIELDS = {
+    "response_format.json_schema": "text.format",
+    "response_format": "text.format",
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+}
 
 
 def _renamed(param: str | None) -> str | None:
-    head, dot, rest = (param or "").partition(".")
-    return _FIELDS[head] + dot + rest if head in _FIELDS else param
+    for chat, ours in _FIELDS.items():
+        if param == chat or (param or "").startswith(chat + "."):
+            return ours + param[len(chat) :]
+    return param
 
 
 async def _save(backend: Backend, draft: _Draft, response: Response, history: list[dict]) -> None:

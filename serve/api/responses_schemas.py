@@ -115,15 +115,20 @@ class FunctionCallOutputItem(_Strict):
         return "\n".join(part.text for part in self.output)
 
 
-def _item_kind(item: Any) -> str:
-    """Items without ``type`` are messages (the SDKs' ``{"role", "content"}``)."""
-    return item.get("type", "message") if isinstance(item, dict) else item.type
+def _item_kind(item: Any) -> str | None:
+    """Items without ``type`` are messages (the SDKs' ``{"role", "content"}``); None: not
+    an item at all (a string, a number, null)."""
+    if isinstance(item, dict):
+        return item.get("type", "message")
+    return getattr(item, "type", None)
 
 
 def _known_items(items):
     if isinstance(items, list):
         for i, item in enumerate(items):
             kind = _item_kind(item)
+            if kind is None and not isinstance(item, dict):
+                raise ValueError(f"item {i} is a {type(item).__name__}, not an item object")
             if kind not in ("message", "function_call", "function_call_output"):
                 raise ValueError(
                     f"item {i} has type {kind!r}: supported are message, function_call "
@@ -199,7 +204,7 @@ class ResponsesRequest(_Strict):
     stream_options: dict[str, bool] | None = None  # include_obfuscation: nothing to hide
     store: bool = True
     previous_response_id: Text | None = None
-    metadata: dict[Text, Text] | None = Field(None, max_length=16)
+    metadata: dict[Text, Text] | None = Field(None, max_length=16)  # OpenAI's 16 pairs
     include: list[str] | None = None
     user: Text | None = None
     safety_identifier: Text | None = None
@@ -210,6 +215,18 @@ class ResponsesRequest(_Strict):
     background: Literal[False] | None = None
 
     _items = field_validator("input", mode="before")(_known_items)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_within_openais_bounds(cls, metadata):
+        for key, value in (metadata or {}).items():
+            if len(key) > 64:
+                raise ValueError(f"key {key[:16]!r}... holds {len(key)} characters, more than 64")
+            if len(value) > 512:
+                raise ValueError(
+                    f"the value of {key!r} holds {len(value)} characters, more than 512"
+                )
+        return metadata
 
     @field_validator("include")
     @classmethod

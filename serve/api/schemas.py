@@ -354,6 +354,22 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs is only allowed when logprobs is true")
         return self
 
+    @field_validator("messages")
+    @classmethod
+    def _results_answer_calls(cls, messages):
+        """A tool result answers a call an earlier assistant message made, as OpenAI and
+        Anthropic require (a result for a call nobody made is a client's mistake, or a
+        made-up conversation)."""
+        made = set()
+        for message in messages:
+            made.update(call.id for call in message.tool_calls or ())
+            if message.role == "tool" and message.tool_call_id not in made:
+                raise ValueError(
+                    f"the tool result for call {message.tool_call_id!r} answers no call made "
+                    "earlier in the conversation"
+                )
+        return messages
+
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_names_a_tool(cls, choice, info: ValidationInfo):

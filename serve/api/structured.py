@@ -55,7 +55,9 @@ class JSONSchemaFormat(_Strict):
     description: str | None = None
     # "schema" shadows a BaseModel attribute: the field is named apart, aliased.
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None  # accepted; the schema is always enforced
+    # The schema is always enforced; strict also refuses keywords the grammar would not
+    # enforce (tritonllm/schema_checks.py).
+    strict: bool | None = None
 
 
 class TextFormat(_Strict):
@@ -115,7 +117,7 @@ class FunctionDefinition(_Strict):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # accepted; the parameters are always enforced
+    strict: bool | None = None  # as JSONSchemaFormat's
 
 
 class ChatTool(_Strict):
@@ -164,8 +166,11 @@ def _response_format_guide(response_format) -> Guide:
     if response_format.type == "json_object":
         return Guide("json_schema", _ANY_OBJECT, "response_format")
     schema = response_format.json_schema.schema_
+    param = "response_format.json_schema.schema"
+    if response_format.json_schema.strict and schema is not None:
+        check_strict(schema, param)
     text = _ANY_OBJECT if schema is None else json.dumps(schema)
-    return Guide("json_schema", text, "response_format.json_schema.schema")
+    return Guide("json_schema", text, param)
 
 
 def _vllm_guide(kind: str, value: Any, param: str) -> Guide:
@@ -203,8 +208,10 @@ def tool_guide(
         )
     for i, tool in enumerate(tools):  # each schema on its own: the 400 names the tool
         if tool.function.parameters is not None:
-            text = json.dumps(tool.function.parameters)
-            checked(Guide("json_schema", text, f"tools.{i}.function.parameters"))
+            param = f"tools.{i}.function.parameters"
+            if tool.function.strict:
+                check_strict(tool.function.parameters, param)
+            checked(Guide("json_schema", json.dumps(tool.function.parameters), param))
     choice = tool_choice.model_dump() if isinstance(tool_choice, BaseModel) else tool_choice
     tag = xgrammar.get_model_structural_tag(
         syntax.xgrammar_format,
@@ -217,6 +224,22 @@ def tool_guide(
         max_whitespace_cnt=1,
     )
     return checked(Guide("structural_tag", tag.model_dump_json(), "tools"))
+
+
+def check_strict(schema: Any, param: str) -> None:
+    """A schema sent with ``strict: true`` holds no keyword the grammar would not enforce
+    (a 400 naming where they are); without strict they are served as what XGrammar makes
+    of them, listed in docs/structured-outputs.md."""
+    from tritonllm.schema_checks import unenforced_keywords
+
+    found = unenforced_keywords(schema)
+    if found:
+        where = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise APIError(
+            f"{param}: strict is true, but this server's grammar does not enforce {where}: "
+            "remove them, or set strict to false to have the schema served without them",
+            param,
+        )
 
 
 def checked(guide: Guide) -> Guide:

@@ -474,3 +474,112 @@ def test_a_guide_compiling_for_seconds_stalls_no_other_request_and_is_refused(ur
     else:
         raise AssertionError("no guide compile timeout in /metrics")
     assert "tritonllm_engine_guide_wait_seconds_total{" in text
+
+
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_guides_past_the_limits_and_the_agent_apis_edges_are_400s_in_each_apis_shape(url):
+    """A 200-level schema on all four APIs; a structured output with a forced call; a
+    strict schema with keywords the grammar does not enforce; an external $ref; tool
+    results for calls never made; Responses metadata past OpenAI's bounds."""
+    deep = nested_schema(200)
+    user = [{"role": "user", "content": "Hi"}]
+    chat = {"model": MODEL, "messages": user, "max_tokens": 4}
+    openai_400s = [
+        (
+            "/v1/chat/completions",
+            chat
+            | {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": deep},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": "Hi", "guided_json": deep}, "guided_json"),
+        (
+            "/v1/responses",
+            {
+                "model": MODEL,
+                "input": "Hi",
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": deep}},
+            },
+            "text.format.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            chat | {"tools": TOOLS, "tool_choice": "required", "guided_regex": "[a-z]+"},
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            chat
+            | {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "strict": True,
+                        "schema": {
+                            "type": "array",
+                            "items": {"type": "integer"},
+                            "uniqueItems": True,
+                        },
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            chat | {"guided_json": {"$ref": "file:///etc/passwd"}},
+            "guided_json",
+        ),
+        (
+            "/v1/chat/completions",
+            chat
+            | {"messages": [*user, {"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
+            "messages",
+        ),
+        (
+            "/v1/responses",
+            {
+                "model": MODEL,
+                "input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}],
+            },
+            "input",
+        ),
+        (
+            "/v1/responses",
+            {"model": MODEL, "input": "Hi", "metadata": {"k": "v" * 513}},
+            "metadata",
+        ),
+    ]
+    for path, body, param in openai_400s:
+        response = httpx.post(f"{url}{path}", json=body, timeout=TIMEOUT_S)
+        assert response.status_code == 400, (path, param, response.text)
+        assert response.json()["error"]["param"] == param, (path, response.text)
+    messages = {"model": MODEL, "max_tokens": 4, "messages": user}
+    anthropic_400s = [
+        messages
+        | {"tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"a": deep}}}]},
+        messages
+        | {
+            "messages": [
+                *user,
+                {"role": "assistant", "content": "Let me see."},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x"}]},
+            ]
+        },
+    ]
+    for body in anthropic_400s:
+        response = httpx.post(f"{url}/v1/messages", json=body, timeout=TIMEOUT_S)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["type"] == "invalid_request_error", response.text
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=TIMEOUT_S).status_code == 200

@@ -233,9 +233,11 @@ def test_system_tool_use_and_tool_results_reach_the_chat_template():
         },
         {"type": "text", "text": "and tomorrow?"},
     ]
+    second = {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Oslo"}}
     conversation = [
         *ASK,
-        {"role": "assistant", "content": first.content},  # as the SDK sends its blocks back
+        # As the SDK sends its blocks back, and a second call of the same turn.
+        {"role": "assistant", "content": [*first.content, second]},
         {"role": "user", "content": results},
     ]
     client.messages.create(
@@ -254,7 +256,12 @@ def test_system_tool_use_and_tool_results_reach_the_chat_template():
                     "id": call.id,
                     "type": "function",
                     "function": {"name": "get_weather", "arguments": arguments},
-                }
+                },
+                {
+                    "id": "toolu_2",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                },
             ],
         },
         {"role": "tool", "content": "20 degrees", "tool_call_id": call.id},
@@ -427,6 +434,21 @@ def test_the_model_is_recorded_for_the_metrics():
             "invalid_request_error",
             "tool_use blocks are only allowed in assistant messages",
         ),
+        (
+            {
+                "messages": [
+                    *ASK,
+                    {"role": "assistant", "content": "I will look."},
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "toolu_x"}],
+                    },
+                ]
+            },
+            400,
+            "invalid_request_error",
+            "unexpected tool_use_id found in tool_result blocks: toolu_x",
+        ),
     ],
     ids=[
         "openai_field",
@@ -441,6 +463,7 @@ def test_the_model_is_recorded_for_the_metrics():
         "unknown_tool_named",
         "tool_choice_without_tools",
         "tool_use_from_the_user",
+        "result_without_its_tool_use",
     ],
 )
 def test_bad_requests_are_anthropic_errors(body, status, kind, words):

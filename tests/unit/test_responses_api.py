@@ -21,7 +21,7 @@ from serve.api.responses_api import _Draft, _events
 from serve.api.responses_schemas import ResponsesRequest
 from serve.generation import GenerateParams
 from tests.unit.test_http_api import error_of
-from tests.unit.test_structured_api import CALL, SCHEMA, ScriptedBackend
+from tests.unit.test_structured_api import CALL, DEEP, SCHEMA, ScriptedBackend
 
 WEATHER = {
     "type": "function",
@@ -230,13 +230,33 @@ def test_without_a_store_nothing_is_kept_and_chaining_is_a_400():
         ({"input": "x", "max_output_tokens": 1000}, "max_output_tokens"),
         ({"input": "x", "temperature": 3}, "temperature"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
+        ({"input": [None]}, "input"),  # not an item
+        (  # a guide past the nesting limit, named as this API names the field
+            {
+                "input": "x",
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": DEEP}},
+            },
+            "text.format.schema",
+        ),
+        (  # a result for a call the conversation never made
+            {"input": [{"type": "function_call_output", "call_id": "call_x", "output": "x"}]},
+            "input",
+        ),
+        ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
+        ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ],
 )
 def test_bad_requests_are_400s_in_openais_shape(body, param):
-    response = api(StoringBackend()).post("/v1/responses", json={"model": "llm", **body})
+    backend = StoringBackend()
+    response = api(backend).post("/v1/responses", json={"model": "llm", **body})
     error = error_of(response, 400)
     if param is not None:
         assert error["param"].startswith(param), error
+    if "call_x" in json.dumps(body):
+        assert "'call_x' answers no call made earlier" in error["message"]
+    bounds = {"model": "llm", "input": "x", "metadata": {"k" * 64: "v" * 512}}
+    assert api(backend).post("/v1/responses", json=bounds).status_code == 200
 
 
 def test_an_unknown_model_is_a_404_and_a_failure_mid_stream_fails_the_response():

@@ -41,6 +41,19 @@ CALL = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 )
 USER = [{"role": "user", "content": "weather in Paris?"}]
+# Keywords the grammar does not enforce (tritonllm/schema_checks.py): a 400 with strict.
+UNENFORCED = {
+    "type": "object",
+    "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+        "n": {"type": "integer", "not": {"const": 3}},
+    },
+}
+STRICT_TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": UNENFORCED, "strict": True},
+}
+DEEP = json.loads('{"items":' * 100 + "{}" + "}" * 100)  # 101 levels of objects
 
 
 class ScriptedBackend(FakeBackend):
@@ -167,6 +180,32 @@ def test_each_structured_output_field_becomes_one_guide(body, guide_type, guide)
             "JSON Schema",
         ),
         ({"tools": []}, "tools", ""),
+        (  # a forced call and a format: one of them could not hold
+            {"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"},
+            "tool_choice",
+            "guided_regex cannot be combined with a forced tool call",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": UNENFORCED, "strict": True},
+                }
+            },
+            "response_format.json_schema.schema",
+            "does not enforce /properties/tags/uniqueItems, /properties/n/not",
+        ),
+        (
+            {"tools": [STRICT_TOOL]},
+            "tools.0.function.parameters",
+            "does not enforce /properties/tags/uniqueItems",
+        ),
+        (
+            {"guided_json": {"$ref": "https://example.com/schema.json"}},
+            "guided_json",
+            "refers to a schema outside it ($ref 'https://example.com/schema.json')",
+        ),
+        ({"guided_json": DEEP}, "guided_json", "nests 101 levels of arrays and objects"),
     ],
 )
 def test_a_bad_guide_or_tool_is_a_400_naming_the_field(body, param, words):
@@ -217,6 +256,16 @@ def test_tool_choice_none_renders_the_tools_but_leaves_the_answer_free():
     message = chat(backend, tools=[WEATHER], tool_choice="none").json()["choices"][0]["message"]
     assert backend.params[0].guide_type is None and backend.rendered[0][1] == [WEATHER]
     assert message == {"role": "assistant", "content": CALL}
+
+
+def test_without_strict_a_schema_with_unenforced_keywords_is_served():
+    """They are listed in docs/structured-outputs.md; only strict refuses them."""
+    loose = {"type": "json_schema", "json_schema": {"name": "x", "schema": UNENFORCED}}
+    backend = ScriptedBackend()
+    assert chat(backend, response_format=loose).status_code == 200
+    tool = {"type": "function", "function": {"name": "f", "parameters": UNENFORCED}}
+    assert chat(backend, tools=[tool]).status_code == 200
+    assert [p.guide_type for p in backend.params] == ["json_schema", "structural_tag"]
 
 
 def test_with_tool_choice_auto_a_response_format_wins():
@@ -349,6 +398,8 @@ def test_assistant_calls_and_tool_results_reach_the_chat_template():
         ({"role": "tool", "content": "x"}, "messages.1"),  # no tool_call_id
         ({"role": "user", "content": "x", "tool_calls": []}, "messages.1"),
         ({"role": "assistant"}, "messages.1"),  # neither content nor calls
+        # A result for a call no earlier assistant message made.
+        ({"role": "tool", "tool_call_id": "call_x", "content": "20"}, "messages"),
     ],
 )
 def test_malformed_tool_messages_are_400s(message, param):
