@@ -10,6 +10,7 @@ as its stream of events. Errors on this path have Anthropic's shape
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import uuid
@@ -50,7 +51,7 @@ from serve.api.messages_schemas import (
     ToolUseBlock,
     Usage,
 )
-from serve.api.prepare import BackendDep, chat_turn
+from serve.api.prepare import BackendDep, chat_turn, guided
 from serve.api.responses import EventStream, one_line
 from serve.api.schemas import ChatCompletionRequest
 
@@ -61,7 +62,8 @@ messages_router = APIRouter(dependencies=[Depends(require_messages_api_key)])
 
 @messages_router.post(MESSAGES_PATH)
 async def create_message(body: MessagesRequest, request: Request, backend: BackendDep):
-    turn = chat_turn(_chat_request(body), request, backend)
+    chat = _chat_request(body)
+    turn = await guided(functools.partial(chat_turn, chat, request, backend), chat)
     message_id = f"msg_{uuid.uuid4().hex}"
     if not body.stream:
         answer = await whole_answer(backend, turn)

@@ -8,9 +8,11 @@ template, the limits, the output's guide and the call syntax are the same for al
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 
@@ -31,6 +33,8 @@ async def _backend(request: Request) -> Backend:
 
 BackendDep = Annotated[Backend, Depends(_backend)]
 
+
+T = TypeVar("T")
 
 # Serve's own header for multiplexed models; it names a variant as `model` does.
 MULTIPLEXED_HEADER = "serve_multiplexed_model_id"
@@ -149,6 +153,16 @@ class ChatTurn:
     def served(self) -> str:
         """The model id the answer names (a pool's variant, an adapter)."""
         return served_id(self.model, self.params[0])
+
+
+async def guided(prepare: Callable[[], T], body: SamplingFields) -> T:
+    """``prepare()``'s result, worked out on a thread where the request carries a guide:
+    checking a guide not seen before (its JSON Schema, XGrammar's conversion) takes
+    milliseconds, and longer for a large one, which the event loop relaying every other
+    stream must not wait for. Requests without one are prepared here, without the hop."""
+    if body.has_guide:
+        return await asyncio.to_thread(prepare)
+    return prepare()
 
 
 def chat_turn(body: ChatCompletionRequest, request: Request, backend: Backend) -> ChatTurn:

@@ -33,7 +33,7 @@ from serve.api.answer import (
 from serve.api.auth import require_api_key
 from serve.api.backend import Backend
 from serve.api.errors import APIError, InternalError, NotFound, TooLarge
-from serve.api.prepare import BackendDep, ChatTurn, chat_turn
+from serve.api.prepare import BackendDep, ChatTurn, chat_turn, guided
 from serve.api.response_store import RecordTooLarge
 from serve.api.responses import EventStream, json_response, one_line
 from serve.api.responses_schemas import (
@@ -73,7 +73,8 @@ responses_router = APIRouter(dependencies=[Depends(require_api_key)])
 async def create_response(body: ResponsesRequest, request: Request, backend: BackendDep):
     conversation = await _previous_conversation(backend, body.previous_response_id)
     try:
-        turn = chat_turn(_chat_request(body, conversation), request, backend)
+        chat = _chat_request(body, conversation)
+        turn = await guided(functools.partial(chat_turn, chat, request, backend), chat)
     except APIError as error:  # named as this API names the field
         error.param = _renamed(error.param)
         raise

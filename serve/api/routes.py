@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
 import logging
 from typing import Annotated
 
@@ -24,6 +25,7 @@ from serve.api.prepare import (
     chat_turn,
     check_prompt_chars,
     choices,
+    guided,
     request_ids,
     served_id,
     target,
@@ -99,7 +101,7 @@ async def completions(body: CompletionRequest, request: Request, backend: Backen
         check_prompt_chars(backend, sum(len(p) for p in prompts), "prompt")
     else:
         _check_token_ids(backend, model, prompts)
-    guide = body.output_guide()
+    guide = await guided(body.output_guide, body)
     prompt_alone = body.max_tokens == 0
     if prompt_alone and not body.echo:
         raise APIError(
@@ -173,7 +175,7 @@ def _prompt_text(backend: Backend, model: ModelConfig, params: GenerateParams) -
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, backend: BackendDep):
-    turn = chat_turn(body, request, backend)
+    turn = await guided(functools.partial(chat_turn, body, request, backend), body)
     return await _respond(backend, turn.model, body, turn.params, CHAT, syntax=turn.syntax)
 
 

@@ -115,6 +115,20 @@ class SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    @property
+    def has_guide(self) -> bool:
+        """Whether the request asks for constrained output (a structured-output field,
+        or tools that may be called)."""
+        legacy = (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        tools = bool(getattr(self, "tools", None)) and getattr(self, "tool_choice", None) != "none"
+        return (
+            formatted
+            or self.structured_outputs is not None
+            or tools
+            or any(value is not None for value in legacy)
+        )
+
     def output_guide(self) -> Guide | None:
         """The guide of the output format the request asks for (None: free text)."""
         legacy = {

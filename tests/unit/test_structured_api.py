@@ -405,3 +405,36 @@ def test_assistant_calls_and_tool_results_reach_the_chat_template():
 def test_malformed_tool_messages_are_400s(message, param):
     body = {"model": "llm", "messages": [*USER, message]}
     assert error_of(post(ScriptedBackend(), body), 400)["param"] == param
+
+
+def test_a_guided_requests_preparation_runs_off_the_event_loop():
+    """Checking a new guide takes milliseconds or more: the loop relaying the other
+    streams keeps going meanwhile; a request without a guide is prepared inline."""
+    import asyncio
+    import time
+
+    from serve.api.prepare import guided
+    from serve.api.schemas import ChatCompletionRequest
+
+    async def ticks_while(body) -> int:
+        count = 0
+
+        async def tick():
+            nonlocal count
+            while True:
+                count += 1
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        assert await guided(lambda: time.sleep(0.3) or "prepared", body) == "prepared"
+        ticker.cancel()
+        return count
+
+    plain = ChatCompletionRequest(model="llm", messages=USER)
+    assert not plain.has_guide and asyncio.run(ticks_while(plain)) <= 2
+    for body in ({"guided_regex": "a"}, {"tools": [WEATHER]}):
+        request = ChatCompletionRequest(model="llm", messages=USER, **body)
+        assert request.has_guide and asyncio.run(ticks_while(request)) >= 10
+    unused = ChatCompletionRequest(model="llm", messages=USER, tools=[WEATHER], tool_choice="none")
+    assert not unused.has_guide
