@@ -260,6 +260,7 @@ class Engine:
         self._compiles = GuideCompiles(
             self._guide_compiler, guide_compile_timeout_s, on_ready=self._wake
         )
+        self._compiling: list[Sequence] = []  # the queued whose guide is compiling
         self._guide_stats = GuideStats()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -288,6 +289,8 @@ class Engine:
                     f"engine queue is full ({self.max_queue_size} requests waiting); retry later"
                 )
             self._pending.append(seq)
+            if guide is not None:
+                self._compiling.append(seq)
             self._active[request.request_id] += 1
             self._lock.notify()
 
@@ -403,10 +406,10 @@ class Engine:
         with self._lock:
             while not (self._stopping or self._running or self._cancelled):
                 now = time.monotonic()
-                waiting = [s.guide for s in self._pending if s.guide is not None]
-                if len(waiting) < len(self._pending) or any(g.ready(now) for g in waiting):
+                waiting = self._compiling
+                if len(waiting) < len(self._pending) or any(s.guide.ready(now) for s in waiting):
                     break
-                if any(_disconnected(s) for s in self._pending):
+                if any(_disconnected(s) for s in waiting):
                     break
                 self._lock.wait(0.1 if waiting else None)
             return not self._stopping
@@ -461,9 +464,14 @@ class Engine:
     def _settle_guides(self) -> None:
         """Queued requests whose guide is ready get their sampler; a guide XGrammar
         refuses, or one past the compile limit, fails its request (a 400)."""
+        if not self._compiling:
+            return
         now = time.monotonic()
+        ready, waiting = [], []
         with self._lock:
-            ready = [s for s in self._pending if s.guide is not None and s.guide.ready(now)]
+            for seq in self._compiling:  # one look each: a compile may end meanwhile
+                (ready if seq.guide.ready(now) else waiting).append(seq)
+            self._compiling = waiting
         for seq in ready:
             guide, seq.guide = seq.guide, None
             stats = self._guide_stats
@@ -486,6 +494,9 @@ class Engine:
         if seq.guide is not None:
             self._compiles.abandon(seq.guide)
             seq.guide = None
+            with self._lock:
+                if seq in self._compiling:
+                    self._compiling.remove(seq)
 
     def _take_guide_stats(self) -> GuideStats | None:
         stats, self._guide_stats = self._guide_stats, GuideStats()
@@ -499,9 +510,12 @@ class Engine:
         budget = self.max_num_tokens - len(self._running)
         admitted = []
         with self._lock:
-            for seq in [s for s in self._pending if s.sampler is not None]:
-                if len(self._running) >= self.max_batch_size:
-                    break
+            waiting = deque()  # passed over: their guides compile
+            while self._pending and len(self._running) < self.max_batch_size:
+                seq = self._pending.popleft()
+                if seq.sampler is None:
+                    waiting.append(seq)
+                    continue
                 history = seq.history
                 # A prompt's log probabilities need its logits: none come from the cache.
                 reads_cache = not seq.request.return_prompt_log_probs
@@ -512,8 +526,8 @@ class Engine:
                 )
                 computed = len(history) - (len(chain) * self._prefix.block_size if chain else 0)
                 if computed > budget and not self.chunked_context:
+                    self._pending.appendleft(seq)
                     break
-                self._pending.remove(seq)
                 budget -= computed
                 seq.slot = len(self._running)
                 # Loaded at once: nothing is saved (so nothing evicted) in between.
@@ -521,6 +535,7 @@ class Engine:
                     seq.cached = seq.cache_hit = self._prefix.load(self._cache, seq.slot, chain)
                 self._running.append(seq)
                 admitted.append(seq)
+            self._pending.extendleft(reversed(waiting))
         return admitted
 
     def _guarded(self, seqs: list[Sequence], fn, *args) -> None:
