@@ -68,6 +68,7 @@ class GenerateParams:
     # answer is held to this grammar ("json_schema" with a schema's text, "regex", ...).
     guide_type: str | None = None
     guide: str = ""
+    guide_field: str = ""  # the request's field the guide came from (a refusal names it)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     variant: str | None = None  # a multiplexed pool's variant (its own Triton ensemble)
     adapter: str | None = None  # a LoRA adapter of the model (docs/lora.md)

@@ -75,19 +75,20 @@ async def create_response(body: ResponsesRequest, request: Request, backend: Bac
     try:
         chat = _chat_request(body, conversation)
         turn = await guided(functools.partial(chat_turn, chat, request, backend), chat)
+        if body.stream:
+            started = await start_answer(backend, turn)
+        else:
+            started = await whole_answer(backend, turn)
     except APIError as error:  # named as this API names the field
         error.param = _renamed(error.param)
         raise
     draft = _Draft(body, turn, stored=body.store and backend.response_store is not None)
     history = conversation + dump_items(body.items)
     if not body.stream:
-        answer = await whole_answer(backend, turn)
-        response = draft.finished(answer, _output_items(answer))
+        response = draft.finished(started, _output_items(started))
         await _save(backend, draft, response, history)
         return json_response(response)
-    events = await start_answer(backend, turn)
-    stream = _events(backend, draft, events, history)
-    return EventStream(stream)
+    return EventStream(_events(backend, draft, started, history))
 
 
 @responses_router.get("/v1/responses/{response_id}")

@@ -186,6 +186,7 @@ class SamplingFields(BaseModel):
             logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
             guide_type=guide.type if guide else None,
             guide=guide.text if guide else "",
+            guide_field=guide.param if guide else "",
         )
 
     def _seed(self, choice: int) -> int | None:

@@ -107,6 +107,14 @@ def as_api_error(error: BaseException) -> APIError | None:
     return None
 
 
+def _name_the_guide(error: APIError, params: GenerateParams) -> None:
+    """The engine's refusal of a request's guide (past the compile limit, or not
+    compilable) names the request's field the guide came from."""
+    if params.guide_field and error.status == 400 and not error.param and "guide" in error.message:
+        error.param = params.guide_field
+        error.message = f"{params.guide_field}: {error.message}"
+
+
 def _tokenizer_dir(model: ModelConfig):
     """The tokenizer (and chat template) the model's engine itself uses."""
     if model.engine == "vllm":
@@ -291,6 +299,9 @@ class ApiBackend:
                     if not self._max_migrations(model):  # migration off: the client's 503
                         raise
                     attempt = await self._moved(answer, error, metrics)
+                except APIError as error:
+                    _name_the_guide(error, params)
+                    raise
         finally:
             if chunk is not None:  # the prompt and what was generated, also if cancelled
                 metrics.tokens(chunk.num_input_tokens, chunk.num_output_tokens)

@@ -456,7 +456,9 @@ def test_a_guide_compiling_for_seconds_stalls_no_other_request_and_is_refused(ur
         f"16 streams {during * 1000:.1f} ms a token ({alone * 1000:.1f} alone)"
     )
     assert response.status_code == 400, response.text
-    assert "exceeds the limit of 5 s" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert "exceeds the limit of 5 s" in error["message"]
+    assert error["param"] == "structured_outputs.regex"
     assert 5 <= seconds < 7, f"refused after {seconds:.1f} s"
     assert first_chunk_s < 1, f"a plain chat waited {first_chunk_s:.2f} s for its first token"
     assert during < 1.5 * alone + 0.005, f"{during * 1000:.1f} ms a token, {alone * 1000:.1f} alone"

@@ -293,3 +293,19 @@ def test_engines_sharing_a_gpu_must_fit_their_kv_cache_fractions(
     else:
         with pytest.raises(repository.RepositoryError, match=r"0\.85 \+ 0\.85.*max_models_per"):
             check_gpu_memory(model)
+
+
+def test_the_engines_refusal_of_a_guide_names_the_field_it_came_from():
+    from serve.api.errors import APIError
+    from serve.deployments.ingress import _name_the_guide
+
+    guided = GenerateParams("p", 4, guide_type="regex", guide="a+", guide_field="guided_regex")
+    refusal = APIError("compiling this regex guide exceeds the limit of 5 s")
+    _name_the_guide(refusal, guided)
+    assert refusal.param == "guided_regex" and refusal.message.startswith("guided_regex: ")
+    other = APIError("prompt (900 tokens) + max_tokens (8) exceeds the maximum sequence length")
+    _name_the_guide(other, guided)
+    assert other.param is None  # not the guide's
+    plain = APIError("invalid regex guide: XGrammar cannot compile it")
+    _name_the_guide(plain, GenerateParams("p", 4))
+    assert plain.param is None
