@@ -5,8 +5,11 @@ abandoned compile dropped before it starts."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,8 @@ from tritonllm.engine.guide_compiles import (
     GuideTooSlow,
     PendingGuide,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class GatedCompiler:
@@ -110,3 +115,19 @@ def test_an_abandoned_compile_that_has_not_started_is_dropped(compiler):
     gate.set()
     time.sleep(0.3)
     assert compiler.compiled == ["busy"] and queued.compile.future.cancelled()
+
+
+def test_a_process_exits_while_a_compile_runs_on():
+    """A compile that never ends (a runaway guide) does not hold its process at exit, as a
+    Python-backend stub exits when Triton unloads its model."""
+    script = (
+        "import threading\n"
+        "from tritonllm.engine.guide_compiles import GuideCompiles\n"
+        "class Endless:\n"
+        "    def compile(self, guide_type, guide):\n"
+        "        threading.Event().wait()\n"
+        "compiles = GuideCompiles(Endless, timeout_s=1)\n"
+        "compiles.start('regex', 'a{0,50}')\n"
+        "compiles.shutdown()\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=30, cwd=ROOT)

@@ -11,9 +11,9 @@ batch keeps stepping (vLLM's ``WAITING_FOR_FSM``).
 A compile still running at its request's deadline fails that request (the guide is
 refused as too slow to serve). XGrammar cannot stop a compile, and a compile cannot move
 to a process that could be killed (a compiled regex grammar serializes to hundreds of
-MB), so the thread runs on at that priority; the guide is remembered meanwhile, and sent
-again it is refused at once. Once such a compile ends, its grammar is in XGrammar's
-cache and the guide is served from there.
+MB), so the thread runs on at that priority (a daemon: the process exits without waiting
+for it); the guide is remembered meanwhile, and sent again it is refused at once. Once
+such a compile ends, its grammar is in XGrammar's cache and the guide is served from there.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -108,9 +109,7 @@ class GuideCompiles:
         self.timeout_s = timeout_s
         self.wait_limit_s = wait_limit_s or max(DEFAULT_WAIT_LIMIT_S, 6 * timeout_s)
         self._on_ready = on_ready
-        self._pool = ThreadPoolExecutor(
-            workers, thread_name_prefix="guide-compile", initializer=_lowest_priority
-        )
+        self._pool = DaemonWorkers(workers, "guide-compile", initializer=_lowest_priority)
         # Reentrant: a future that is already done runs its callback (which takes the
         # lock) in the thread that adds it or cancels it.
         self._lock = threading.RLock()
@@ -162,7 +161,7 @@ class GuideCompiles:
             pending.compile.future.cancel()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     def _release(self, pending: PendingGuide) -> int:
         with self._lock:
@@ -191,6 +190,52 @@ class GuideCompiles:
             self._in_flight.pop(key, None)
             self._too_slow.pop(key, None)  # compiled now: XGrammar's cache serves it
         self._on_ready()
+
+
+class DaemonWorkers:
+    """``workers`` daemon threads that run submitted calls into futures.
+
+    Not ``concurrent.futures.ThreadPoolExecutor``: the interpreter joins its threads at
+    exit, so a process holding a runaway compile (Triton's Python-backend stub, on unload
+    or shutdown) would not end until the compile did, minutes for a hostile guide. A
+    daemon thread ends with its process."""
+
+    def __init__(self, workers: int, name: str, initializer: Callable[[], None]):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = workers
+        for index in range(workers):
+            thread = threading.Thread(
+                target=self._work, args=(initializer,), name=f"{name}-{index}", daemon=True
+            )
+            thread.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """Calls not started are cancelled; running ones end on their own."""
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call[0].cancel()
+        for _ in range(self._workers):
+            self._calls.put(None)
+
+    def _work(self, initializer: Callable[[], None]) -> None:
+        initializer()
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # the future carries it to its request
+                future.set_exception(error)
 
 
 def _lowest_priority() -> None:
