@@ -185,7 +185,7 @@ class RayCluster:
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"}
 
-    def deploy(self, config: dict) -> None:
+    def deploy(self, config: dict, timeout_s: float = 120) -> None:
         """``serve deploy`` of a Serve config (its HTTP port set to this cluster's)."""
         config = copy.deepcopy(config)
         config.setdefault("http_options", {})["port"] = self.http_port
@@ -199,7 +199,7 @@ class RayCluster:
             env=self.env,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=timeout_s,
         )
         if result.returncode != 0:
             raise AssertionError(f"serve deploy failed:\n{result.stdout}\n{result.stderr}")

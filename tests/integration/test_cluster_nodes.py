@@ -354,8 +354,10 @@ GCS_OUTAGE_S = 20
 
 
 def deployed(cluster: RayCluster, config: dict) -> bool:
+    """One try of ``serve deploy``, short: a try sent while the dashboard has not yet
+    found the restarted GCS can hang, and must not take the whole wait with it."""
     try:
-        cluster.deploy(config)
+        cluster.deploy(config, timeout_s=20)
     except (AssertionError, subprocess.TimeoutExpired):
         return False
     return True
