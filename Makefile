@@ -155,7 +155,7 @@ triton-embeddings: venv
 # (tests/lm_eval_env.py) install side by side: virtualenvs of their own, each mostly
 # download and unpacking.
 test: venv-dev redis
-	$(MAKE) --no-print-directory -j2 vllm-env aiperf-env lm-eval-env
+	$(MAKE) --no-print-directory -j3 vllm-env aiperf-env lm-eval-env
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 aiperf-env: venv-dev
