@@ -193,7 +193,8 @@ class GuideCompiles:
 
 
 class DaemonWorkers:
-    """``workers`` daemon threads that run submitted calls into futures.
+    """``workers`` daemon threads that run submitted calls into futures, started with the
+    first call (an engine that is never sent a guide starts none).
 
     Not ``concurrent.futures.ThreadPoolExecutor``: the interpreter joins its threads at
     exit, so a process holding a runaway compile (Triton's Python-backend stub, on unload
@@ -203,15 +204,20 @@ class DaemonWorkers:
     def __init__(self, workers: int, name: str, initializer: Callable[[], None]):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = workers
-        for index in range(workers):
-            thread = threading.Thread(
-                target=self._work, args=(initializer,), name=f"{name}-{index}", daemon=True
-            )
-            thread.start()
+        self._name, self._initializer = name, initializer
+        self._started = threading.Lock()
+        self._threads: list[threading.Thread] = []
 
     def submit(self, fn: Callable, *args) -> Future:
         future = Future()
         self._calls.put((future, fn, args))
+        with self._started:
+            while len(self._threads) < self._workers:
+                thread = threading.Thread(
+                    target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
         return future
 
     def shutdown(self) -> None:
@@ -223,11 +229,11 @@ class DaemonWorkers:
                 break
             if call is not None:
                 call[0].cancel()
-        for _ in range(self._workers):
+        for _ in self._threads:
             self._calls.put(None)
 
-    def _work(self, initializer: Callable[[], None]) -> None:
-        initializer()
+    def _work(self) -> None:
+        self._initializer()
         while (call := self._calls.get()) is not None:
             future, fn, args = call
             if not future.set_running_or_notify_cancel():
