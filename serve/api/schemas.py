@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -119,25 +119,27 @@ class SamplingFields(BaseModel):
     def has_guide(self) -> bool:
         """Whether the request asks for constrained output (a structured-output field,
         or tools that may be called)."""
-        legacy = (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
         formatted = self.response_format is not None and self.response_format.type != "text"
         tools = bool(getattr(self, "tools", None)) and getattr(self, "tool_choice", None) != "none"
         return (
             formatted
             or self.structured_outputs is not None
             or tools
-            or any(value is not None for value in legacy)
+            or any(value is not None for value in self._legacy_guides().values())
         )
 
     def output_guide(self) -> Guide | None:
         """The guide of the output format the request asks for (None: free text)."""
-        legacy = {
+        return guide_of(self.response_format, self.structured_outputs, self._legacy_guides())
+
+    def _legacy_guides(self) -> dict[str, Any]:
+        """vLLM's older guide fields, by name."""
+        return {
             "guided_json": self.guided_json,
             "guided_regex": self.guided_regex,
             "guided_choice": self.guided_choice,
             "guided_grammar": self.guided_grammar,
         }
-        return guide_of(self.response_format, self.structured_outputs, legacy)
 
     def params(
         self,
