@@ -66,7 +66,7 @@ class DirectReplica(ApiBackend):
         """This replica's own Triton (HAProxy sends a request only to a replica Serve
         counts healthy; a replica asked here is one of them)."""
         model = self.triton.model
-        if await self.triton.host.is_ready(model.entry_model()):
+        if await self.triton.host.is_ready(self.triton.serving_model):
             return {}
         return {model.id: "Triton is not ready: the server exited or the model is not loaded"}
 

@@ -27,7 +27,7 @@ from serve.triton import repository
 from serve.triton.host import TritonHost
 from serve.triton.requests import EnsembleRoute, Route
 from serve.triton.select import choose_host
-from serve.triton.steps import ReplicaSteps, StepsUnsupported
+from serve.triton.steps import ReplicaSteps, StepsUnsupported, read_steps
 from tritonllm import contract, lora
 from tritonllm.tokenization import load_tokenizer
 
@@ -63,16 +63,30 @@ class TritonReplica:
     ):
         self.model = model
         self.pacing = StreamPacing(model.stream_interval_ms, model.stream_chunks_per_s)
-        self.host = host or choose_host(model.triton, model.startup_models())
-        # Starting Triton blocks for seconds to minutes: off the event loop.
-        await asyncio.to_thread(self.host.start)
-        self._watch = asyncio.create_task(self._exit_with_triton())
+        engine_step = self._engine_step_alone()
+        # The model whose readiness is this replica's (check_health, /health).
+        self.serving_model = engine_step or model.entry_model()
+        if model.variants:  # a pool has no fixed model: its shared preprocessing stands in
+            self.serving_model = contract.PREPROCESSING
+        startup = (engine_step,) if engine_step else model.startup_models()
+        self.host = host or choose_host(model.triton, startup)
         self._routes: dict[str, Route] = {}  # ensemble -> how its requests go (_route)
         self.tokenizer = None  # the preprocessing's, where this replica tokenizes itself
+        # Triton's start and the tokenizer's load take seconds each (the tokenizer's,
+        # transformers' import): side by side, off the event loop.
+        loads = [asyncio.to_thread(self.host.start)]
         if model.task == "generate" and model.triton.pipeline == "replica":
             # Shared by every ensemble (a pool's variants) and, in layout: direct, the API.
             tokenizer_dir = repository.tokenizer_dir(model.triton.repository_path())
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, str(tokenizer_dir))
+            loads.append(asyncio.to_thread(load_tokenizer, str(tokenizer_dir)))
+        started, *tokenizer = await asyncio.gather(*loads, return_exceptions=True)
+        if isinstance(started, BaseException):
+            raise started
+        self._watch = asyncio.create_task(self._exit_with_triton())
+        if tokenizer:
+            if isinstance(tokenizer[0], BaseException):
+                raise tokenizer[0]
+            self.tokenizer = tokenizer[0]
         self._metrics = None  # Triton's metrics text, to the app's collector (GET /metrics)
         if metrics_collector is not None:
             self._metrics = MetricsPublisher(metrics_collector, self.host.metrics, replica_labels())
@@ -101,6 +115,22 @@ class TritonReplica:
             self._adapter = serve.multiplexed(
                 max_num_models_per_replica=model.lora.max_num_adapters_per_replica
             )(load_adapter)
+
+    def _engine_step_alone(self) -> str | None:
+        """The engine step, where it is all this replica's Triton needs to load: the
+        replica tokenizes and detokenizes itself (``triton.pipeline: replica``) along
+        one ensemble of the chain it runs. The ensemble and its two Python steps would
+        idle there, two stubs that each import transformers and load the tokenizer (a
+        few seconds of CPU at every start, and their memory). None: Triton loads what
+        :meth:`ModelConfig.startup_models` says; an unreadable repository among them,
+        for Triton to name what is wrong with it."""
+        model = self.model
+        if model.task != "generate" or model.triton.pipeline != "replica" or model.variants:
+            return None
+        try:
+            return read_steps(model.triton.repository_path(), model.entry_model()).engine
+        except (StepsUnsupported, repository.RepositoryError):
+            return None
 
     async def _exit_with_triton(self) -> None:
         """A replica whose Triton died cannot serve again: it exits at once, so that
@@ -233,8 +263,7 @@ class TritonReplica:
     async def check_health(self) -> None:
         """Serve calls this every ``health_check_period_s``; raising marks the replica
         unhealthy (three failures in a row and Serve replaces it)."""
-        # A pool has no fixed model to ask for: its shared preprocessing stands in.
-        model = "preprocessing" if self.model.variants else self.model.entry_model()
+        model = self.serving_model
         if not await self.host.is_ready(model):
             raise RuntimeError(f"Triton is not ready: the server exited or {model} is not loaded")
 

@@ -22,7 +22,7 @@ import pytest
 
 from tests.fuzzing import server_errors
 from tests.grafana import queried_metrics
-from tests.integration.cluster import child_pids, process_name, serve_config
+from tests.integration.cluster import child_pids, cmdline, process_name, serve_config
 from tests.integration.repositories import repository_with_limits
 from tritonllm import contract
 
@@ -177,6 +177,9 @@ def test_a_deployed_app_serves_with_request_ids_metrics_and_loopback_triton(
     replica = cluster.running_replicas("llm", TRITON)[0]
     addresses = listening_addresses(triton_pid(replica))
     assert addresses and all(a.startswith("127.0.0.1:") for a in addresses), addresses
+    # It loads the engine step alone: the replica tokenizes and detokenizes itself.
+    stubs = [cmdline(p).decode() for p in child_pids(triton_pid(replica))]
+    assert len(stubs) == 1 and "/tensorrt_llm/1/model.py" in stubs[0], stubs
 
     # The request id is in the ingress's and the replica's logs.
     logs = cluster.logs_dir() / "serve"

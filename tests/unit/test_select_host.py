@@ -109,3 +109,18 @@ def test_an_injected_host_is_used_as_it_is():
         return replica
 
     assert asyncio.run(build()).host is host and started == [True]
+
+
+def test_triton_loads_the_engine_step_alone_where_the_replica_tokenizes(built_repository):
+    def engine_step_alone(**model) -> str | None:
+        replica = object.__new__(TritonReplica)
+        triton = {"model_repository": built_repository} | model.pop("triton", {})
+        replica.model = ModelConfig(id="m", triton=TritonConfig(**triton), **model)
+        return replica._engine_step_alone()
+
+    assert engine_step_alone() == "tensorrt_llm"
+    # The ensemble's own path, and a model that is no preprocessing-engine-postprocessing
+    # chain, need everything; an embeddings model is one model.
+    assert engine_step_alone(triton={"pipeline": "ensemble"}) is None
+    assert engine_step_alone(triton_model="tensorrt_llm") is None
+    assert engine_step_alone(task="embed") is None
