@@ -8,8 +8,6 @@ import anthropic
 import jsonschema
 import pytest
 
-from tests.integration.cluster import serve_config
-
 pytestmark = pytest.mark.integration
 MODEL = "tritonllm-default"
 WEATHER = {
@@ -34,11 +32,8 @@ SAMPLED = {"extra_body": {"temperature": 1.0}}
 
 
 @pytest.fixture(scope="module")
-def url(cluster, built_repository):
-    one = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}}
-    cluster.deploy(serve_config(built_repository, deployment=one))
-    cluster.wait_running()
-    return cluster.url
+def url(one_replica_app):
+    return one_replica_app
 
 
 @pytest.fixture(scope="module")

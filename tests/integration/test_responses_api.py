@@ -45,10 +45,8 @@ def one_replica(built_repository, **args) -> dict:
 
 
 @pytest.fixture(scope="module")
-def url(cluster, built_repository):
-    cluster.deploy(one_replica(built_repository))
-    cluster.wait_running()
-    return cluster.url
+def url(one_replica_app):
+    return one_replica_app
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.integration.cluster import serve_config
 from tests.unit.test_engine_guided import slow_regex
 
 pytestmark = pytest.mark.integration
@@ -32,11 +31,8 @@ TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
-def url(cluster, built_repository):
-    one = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}}
-    cluster.deploy(serve_config(built_repository, deployment=one))
-    cluster.wait_running()
-    return cluster.url
+def url(one_replica_app):
+    return one_replica_app
 
 
 @pytest.fixture(scope="module")
