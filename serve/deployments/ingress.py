@@ -373,13 +373,7 @@ class OpenAIIngress(ApiBackend):
         # multiplexing).
         adapter = params.adapter and model.adapter_id(params.adapter)
         handle = self.replicas[model.id].options(
-            stream=True,
-            multiplexed_model_id=adapter or params.variant or "",
-            # Serve's plain-pickle transport: the params and every chunk are dataclasses
-            # both sides import, which cloudpickle's by-value checks made cost about
-            # three times as much to dump (9 us a chunk against 3).
-            request_serialization="pickle",
-            response_serialization="pickle",
+            stream=True, multiplexed_model_id=adapter or params.variant or ""
         )
         responses = None
         finished = False
