@@ -89,12 +89,6 @@ class RayCluster:
         self.mode = mode  # serve.launch's Serve mode
         self.env = serve_env(mode, self.haproxy_dir)
         self.env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-        # An ingress replica being replaced stays reachable 30 s by Ray's default, for
-        # load balancers outside Serve to deregister it, and until it has stopped the
-        # app is not RUNNING again: each serve deploy of a new config took 35 s here
-        # against 20 s with 3 s. Nothing outside Serve's own HAProxy reaches these
-        # clusters' replicas.
-        self.env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "5"
         # Every replica's Triton logs into a file here (serve.triton.launcher), which
         # outlives the replica: a failed test shows their tails (triton_report).
         self.triton_log_dir = self.temp_dir / "triton"
