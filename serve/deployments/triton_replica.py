@@ -71,22 +71,20 @@ class TritonReplica:
         startup = (engine_step,) if engine_step else model.startup_models()
         self.host = host or choose_host(model.triton, startup)
         self._routes: dict[str, Route] = {}  # ensemble -> how its requests go (_route)
-        self.tokenizer = None  # the preprocessing's, where this replica tokenizes itself
         # Triton's start and the tokenizer's load take seconds each (the tokenizer's,
         # transformers' import): side by side, off the event loop.
         loads = [asyncio.to_thread(self.host.start)]
         if model.task == "generate" and model.triton.pipeline == "replica":
-            # Shared by every ensemble (a pool's variants) and, in layout: direct, the API.
+            # The preprocessing's, where this replica tokenizes itself: shared by every
+            # ensemble (a pool's variants) and, in layout: direct, the API.
             tokenizer_dir = repository.tokenizer_dir(model.triton.repository_path())
             loads.append(asyncio.to_thread(load_tokenizer, str(tokenizer_dir)))
-        started, *tokenizer = await asyncio.gather(*loads, return_exceptions=True)
-        if isinstance(started, BaseException):
-            raise started
+        loaded = await asyncio.gather(*loads, return_exceptions=True)
+        for result in loaded:  # Triton's own reason first, where both failed
+            if isinstance(result, BaseException):
+                raise result
+        self.tokenizer = loaded[1] if len(loaded) > 1 else None
         self._watch = asyncio.create_task(self._exit_with_triton())
-        if tokenizer:
-            if isinstance(tokenizer[0], BaseException):
-                raise tokenizer[0]
-            self.tokenizer = tokenizer[0]
         self._metrics = None  # Triton's metrics text, to the app's collector (GET /metrics)
         if metrics_collector is not None:
             self._metrics = MetricsPublisher(metrics_collector, self.host.metrics, replica_labels())
