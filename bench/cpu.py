@@ -23,7 +23,9 @@ from pathlib import Path
 
 # (substring of the command line, role); the first match wins.
 ROLES = (
-    ("tensorrt_llm", "engine"),  # the stub's command line names its model's path
+    # The stub's command line names its model's file; Triton's own may name the model
+    # too (--load-model=tensorrt_llm, where a replica loads the engine step alone).
+    ("tensorrt_llm/1/model.py", "engine"),
     ("triton_python_backend_stub", "pre/postprocessing"),
     ("tritonserver", "triton core"),
     ("ray::ProxyActor", "serve proxy"),

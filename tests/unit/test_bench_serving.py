@@ -181,7 +181,8 @@ def test_cpu_by_role_keeps_triton_alone_apart_and_counts_new_processes_from_zero
         10: (1, 5.0, "tritonserver --model-repository=/r", 7),  # (b), Triton alone
         11: (10, 40.0, engine, 7),
         20: (1, 3.0, "ray::ServeReplica:llm:Triton-tritonllm-default", 7),
-        21: (20, 2.0, "tritonserver --model-repository=/r", 7),  # the stack's own Triton
+        # The stack's own Triton, which loads the engine step alone.
+        21: (20, 2.0, "tritonserver --model-repository=/r --load-model=tensorrt_llm", 7),
         22: (21, 30.0, engine, 7),
         30: (1, 7.0, "ray::ProxyActor", 7),
         31: (1, 1.0, ingress, 7),
