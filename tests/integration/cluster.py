@@ -130,9 +130,11 @@ class RayCluster:
         num_gpus: int = 0,
         resources: dict | None = None,
         own_proxy: bool = False,
+        env: dict | None = None,
     ) -> RayNode:
         """A worker node joining the head: ``--num-gpus`` declares GPUs to Ray alone (a
-        replica placed for one runs on CPU here), ``resources`` are custom ones.
+        replica placed for one runs on CPU here), ``resources`` are custom ones, ``env``
+        the node's own environment variables (over the cluster's).
 
         ``own_proxy``: the node's Serve proxy (``proxy_location: EveryNode``) listens on
         a port of its own, ``node.url`` (Ray's RAY_SERVE_WORKER_PROXY_HTTP_PORT, which
@@ -141,11 +143,11 @@ class RayCluster:
         its ingress replicas their own range."""
         temp_dir = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))
         node = RayNode(name, temp_dir, self.node_ip or "127.0.0.1")
-        env = {}
+        env = dict(env or {})
         if own_proxy:
             node.proxy_port = free_port()
             fresh = serve_env("throughput", self.haproxy_dir, base={})
-            env = {name: value for name, value in fresh.items() if "_PORT" in name}
+            env |= {name: value for name, value in fresh.items() if "_PORT" in name}
             env["RAY_SERVE_WORKER_PROXY_HTTP_PORT"] = str(node.proxy_port)
         self.nodes.append(node)
         self._ray(

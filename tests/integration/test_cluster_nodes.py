@@ -232,7 +232,10 @@ def test_without_the_head_a_worker_keeps_serving_and_stays_ready(built_repositor
     mode = os.environ.get("CLUSTER_SERVE_MODE", "throughput")  # "default": Serve's own proxy
     cluster = RayCluster(num_cpus=0, env=redis_env, node_ip="127.0.0.2", mode=mode).start()
     try:
-        worker = cluster.add_node("worker-1", num_cpus=2, own_proxy=True)
+        # KubeRay sets this on worker pods under GCS fault tolerance (Ray's default, 60 s,
+        # would end a worker whose head is down a minute); the head's raylet keeps 60 s.
+        worker_env = {"RAY_gcs_rpc_server_reconnect_timeout_s": "600"}
+        worker = cluster.add_node("worker-1", num_cpus=2, own_proxy=True, env=worker_env)
 
         def rayservice_config(**model_fields) -> dict:
             fixed = {"autoscaling_config": None, "num_replicas": 1}
@@ -262,12 +265,12 @@ def test_without_the_head_a_worker_keeps_serving_and_stays_ready(built_repositor
             cluster.kill_gcs()
             cluster.kill_serve_controller()
 
-            def outage_long_enough():
-                sent = sum(sum(c.values()) for c in traffic.counts(since=killed_at).values())
-                return time.monotonic() - killed_at > GCS_OUTAGE_S and sent >= 60
-
-            wait_for(outage_long_enough, 120, "60 requests sent in the outage", 0.5)
+            # A fixed outage, well within the 60 s after which the head's own raylet,
+            # without its GCS, exits (and with it any deploy): a slower machine sends
+            # fewer requests in it rather than stretching it.
+            time.sleep(GCS_OUTAGE_S)
             restarted_at = time.monotonic()
+            print(f"GCS restarted after {restarted_at - killed_at:.1f} s")
             cluster.restart_gcs()
             capped = rayservice_config(max_tokens_cap=100)
             wait_for(lambda: deployed(cluster, capped), 120, "serve deploy accepted again")
@@ -297,7 +300,7 @@ def test_without_the_head_a_worker_keeps_serving_and_stays_ready(built_repositor
     assert hanging == 0
     assert set(outage) == {"completion", "completion-stream"}, outage
     assert all(set(statuses) == {"200"} for statuses in outage.values()), outage
-    assert sum(sum(c.values()) for c in outage.values()) >= 50, outage
+    assert sum(sum(c.values()) for c in outage.values()) >= 15, outage
     assert set(checks) == {200} and sum(checks.values()) >= GCS_OUTAGE_S / 2, checks
     assert updated_s < 90, updated_s
 
@@ -350,14 +353,16 @@ class Poller:
         self._thread.join(10)
 
 
-GCS_OUTAGE_S = 20
+GCS_OUTAGE_S = 30
 
 
 def deployed(cluster: RayCluster, config: dict) -> bool:
     """One try of ``serve deploy``, short: a try sent while the dashboard has not yet
-    found the restarted GCS can hang, and must not take the whole wait with it."""
+    found the restarted GCS can hang, and must not take the whole wait with it. A try
+    that fails prints why, with the time, for the report of a wait that runs out."""
     try:
         cluster.deploy(config, timeout_s=20)
-    except (AssertionError, subprocess.TimeoutExpired):
+    except (AssertionError, subprocess.TimeoutExpired) as error:
+        print(f"{time.strftime('%H:%M:%S')} serve deploy refused: {str(error)[-600:]}")
         return False
     return True
