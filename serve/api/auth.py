@@ -10,6 +10,7 @@ Keys are never logged; comparison is constant-time.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from pathlib import Path
@@ -56,6 +57,17 @@ def _is_one_of(keys: frozenset[str], given: str) -> bool:
 
 def _keys(request: Request) -> frozenset[str]:
     return getattr(request.app.state, "api_keys", frozenset())
+
+
+def key_owner(request: Request) -> str:
+    """Who owns what a request stores (its Responses): the SHA-256 of the Bearer key it
+    was let in with, never the key itself (stores may be read by others, Redis's
+    included); ``""`` on an open API, where every request is the one owner. Call it
+    after :func:`require_api_key` has let the request in."""
+    if not _keys(request):
+        return ""
+    key = (_bearer(request.headers.get("authorization")) or "").strip()
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 async def require_api_key(request: Request) -> None:

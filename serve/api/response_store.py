@@ -122,6 +122,25 @@ class MemoryStore:
         del self._deadlines[response_id]
 
 
+class OwnedStore:
+    """A :class:`ResponseStore` as one owner (an API key) sees it: each id is stored
+    under the owner's name, so another owner's ``get`` and ``delete`` of it find
+    nothing, exactly as for an id never stored (no 403 that would confirm it exists).
+    The open API (no keys) has one owner, ``""``, whose ids are stored as they are."""
+
+    def __init__(self, store: ResponseStore, owner: str):
+        self._store, self._prefix = store, f"{owner}/" if owner else ""
+
+    async def put(self, response_id: str, record: dict) -> None:
+        await self._store.put(self._prefix + response_id, record)
+
+    async def get(self, response_id: str) -> dict | None:
+        return await self._store.get(self._prefix + response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return await self._store.delete(self._prefix + response_id)
+
+
 DEFAULT_KEY_PREFIX = "tritonllm:responses:"
 
 

@@ -6,7 +6,9 @@ A response is one chat turn on the path every chat-shaped API shares
 chat messages, its function tools and ``text.format`` the same guides as chat's. With
 ``store`` (OpenAI's default) the response and its conversation go to the operator's
 response store (:mod:`serve.api.response_store`), where ``previous_response_id``
-finds them: the next turn's prompt is that conversation, then the new input.
+finds them: the next turn's prompt is that conversation, then the new input. What one
+API key stores only that key reads, chains from or deletes; to any other it is the
+same 404 as an id never stored.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import get_args
+from typing import Annotated, get_args
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
@@ -30,11 +32,10 @@ from serve.api.answer import (
     start_answer,
     whole_answer,
 )
-from serve.api.auth import require_api_key
-from serve.api.backend import Backend
+from serve.api.auth import key_owner, require_api_key
 from serve.api.errors import APIError, InternalError, NotFound, TooLarge
 from serve.api.prepare import BackendDep, ChatTurn, chat_turn, guided
-from serve.api.response_store import RecordTooLarge
+from serve.api.response_store import OwnedStore, RecordTooLarge, ResponseStore
 from serve.api.responses import EventStream, json_response, one_line
 from serve.api.responses_schemas import (
     IncompleteDetails,
@@ -69,9 +70,21 @@ log = logging.getLogger("ray.serve")
 responses_router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
+async def _owned_store(request: Request, backend: BackendDep) -> ResponseStore | None:
+    """The response store as the caller's API key sees it: what one key stores, no
+    other key reads, chains from or deletes. None where the operator keeps none."""
+    store = backend.response_store
+    return None if store is None else OwnedStore(store, key_owner(request))
+
+
+StoreDep = Annotated[ResponseStore | None, Depends(_owned_store)]
+
+
 @responses_router.post("/v1/responses")
-async def create_response(body: ResponsesRequest, request: Request, backend: BackendDep):
-    conversation = await _previous_conversation(backend, body.previous_response_id)
+async def create_response(
+    body: ResponsesRequest, request: Request, backend: BackendDep, store: StoreDep
+):
+    conversation = await _previous_conversation(store, body.previous_response_id)
     try:
         chat = _chat_request(body, conversation)
         turn = await guided(functools.partial(chat_turn, chat, request, backend), chat)
@@ -82,23 +95,22 @@ async def create_response(body: ResponsesRequest, request: Request, backend: Bac
     except APIError as error:  # named as this API names the field
         error.param = _renamed(error.param)
         raise
-    draft = _Draft(body, turn, stored=body.store and backend.response_store is not None)
+    draft = _Draft(body, turn, stored=body.store and store is not None)
     history = conversation + dump_items(body.items)
     if not body.stream:
         response = draft.finished(started, _output_items(started))
-        await _save(backend, draft, response, history)
+        await _save(store, draft, response, history)
         return json_response(response)
-    return EventStream(_events(backend, draft, started, history))
+    return EventStream(_events(store, draft, started, history))
 
 
 @responses_router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, backend: BackendDep):
-    return (await _stored(backend, response_id, "response_id"))["response"]
+async def retrieve_response(response_id: str, store: StoreDep):
+    return (await _stored(store, response_id, "response_id"))["response"]
 
 
 @responses_router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, backend: BackendDep):
-    store = backend.response_store
+async def delete_response(response_id: str, store: StoreDep):
     if store is None or not await store.delete(response_id):
         raise _not_found(response_id, "response_id")
     return {"id": response_id, "object": "response", "deleted": True}
@@ -107,21 +119,22 @@ async def delete_response(response_id: str, backend: BackendDep):
 # -- the turn --------------------------------------------------------------------------
 
 
-async def _previous_conversation(backend: Backend, response_id: str | None) -> list[dict]:
+async def _previous_conversation(
+    store: ResponseStore | None, response_id: str | None
+) -> list[dict]:
     """The items of the conversation a previous response ended (its input, its output)."""
     if response_id is None:
         return []
-    if backend.response_store is None:
+    if store is None:
         raise APIError(
             "previous_response_id needs stored responses, and this server keeps none "
             "(responses.store is none in its Serve config): send the whole conversation",
             "previous_response_id",
         )
-    return (await _stored(backend, response_id, "previous_response_id"))["conversation"]
+    return (await _stored(store, response_id, "previous_response_id"))["conversation"]
 
 
-async def _stored(backend: Backend, response_id: str, param: str) -> dict:
-    store = backend.response_store
+async def _stored(store: ResponseStore | None, response_id: str, param: str) -> dict:
     record = await store.get(response_id) if store is not None else None
     if record is None:
         raise _not_found(response_id, param)
@@ -160,12 +173,14 @@ def _renamed(param: str | None) -> str | None:
     return param
 
 
-async def _save(backend: Backend, draft: _Draft, response: Response, history: list[dict]) -> None:
+async def _save(
+    store: ResponseStore | None, draft: _Draft, response: Response, history: list[dict]
+) -> None:
     if draft.stored:
         stored = response.model_dump(exclude_unset=True)  # as it went on the wire
         record = {"response": stored, "conversation": history + stored["output"]}
         try:
-            await backend.response_store.put(draft.id, record)
+            await store.put(draft.id, record)
         except RecordTooLarge as error:
             raise TooLarge(f"{error}; send store: false", "store") from None
 
@@ -383,7 +398,7 @@ def _opening(item: ResponseOutputItem) -> ResponseOutputItem:
 
 
 async def _events(
-    backend: Backend, draft: _Draft, events: AnswerStream, history: list[dict]
+    store: ResponseStore | None, draft: _Draft, events: AnswerStream, history: list[dict]
 ) -> AsyncIterator[str]:
     emit = _Emitter()
     output = _OpenItems(emit)
@@ -398,7 +413,7 @@ async def _events(
             elif isinstance(event, ArgumentsDelta):
                 frames = output.arguments(event.text)
             else:
-                frames = await _end(backend, draft, event, output, history, emit)
+                frames = await _end(store, draft, event, output, history, emit)
             for frame in frames:
                 yield frame
     except APIError as error:  # mid-stream: the response fails, never a cut stream
@@ -414,7 +429,7 @@ async def _events(
 
 
 async def _end(
-    backend: Backend, draft: _Draft, answer: Answer, output: _OpenItems, history, emit
+    store: ResponseStore | None, draft: _Draft, answer: Answer, output: _OpenItems, history, emit
 ) -> list[str]:
     """The last events: the open item closed (an answer with no text and no call gets
     one empty message) and the whole response, once stored."""
@@ -422,7 +437,7 @@ async def _end(
     cut = answer.finish_reason == "length"
     frames += output.close("incomplete" if cut else "completed")
     response = draft.finished(answer, output.items)
-    await _save(backend, draft, response, history)
+    await _save(store, draft, response, history)
     kind = ResponseIncompleteEvent if cut else ResponseCompletedEvent
     return frames + [emit(kind, response=response)]
 

@@ -453,7 +453,7 @@ def test_api_keys_and_a_fuzzed_api(cluster, built_repository, tmp_path):
     import schemathesis
 
     keys = tmp_path / "keys"
-    keys.write_text("key-for-tests\n")
+    keys.write_text("key-for-tests\nkey-of-another\n")
     config = serve_config(
         built_repository,
         max_tokens_cap=8,
@@ -467,6 +467,18 @@ def test_api_keys_and_a_fuzzed_api(cluster, built_repository, tmp_path):
     assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
     auth = {"Authorization": "Bearer key-for-tests"}
     assert httpx.get(f"{cluster.url}/v1/models", headers=auth, timeout=30).status_code == 200
+
+    # What one key stores, another key neither reads, chains from nor deletes.
+    another = {"Authorization": "Bearer key-of-another"}
+    body = {"model": MODEL, "input": "Hello", "max_output_tokens": 4}
+    stored = httpx.post(f"{cluster.url}/v1/responses", json=body, headers=auth, timeout=60)
+    url = f"{cluster.url}/v1/responses/{stored.json()['id']}"
+    chained = body | {"previous_response_id": stored.json()["id"]}
+    assert httpx.get(url, headers=another, timeout=30).status_code == 404
+    assert httpx.delete(url, headers=another, timeout=30).status_code == 404
+    refused = httpx.post(f"{cluster.url}/v1/responses", json=chained, headers=another, timeout=60)
+    assert refused.status_code == 404, refused.text
+    assert httpx.get(url, headers=auth, timeout=30).json() == stored.json()
 
     schema = schemathesis.openapi.from_url(f"{cluster.url}/openapi.json")
     failures = server_errors(schema, lambda case: case.call(headers=auth, timeout=60), 15)

@@ -206,6 +206,42 @@ def test_a_streamed_response_is_stored_as_streamed():
     assert stored.output[1].arguments == final.output[1].arguments
 
 
+def test_what_one_api_key_stores_no_other_key_reads_chains_from_or_deletes():
+    backend = StoringBackend("Hi Ada.", piece=2)
+    app = TestClient(create_app(backend, frozenset({"key-a", "key-b"}), None))
+
+    def client(key: str) -> openai.OpenAI:
+        url = "http://testserver/v1"
+        return openai.OpenAI(base_url=url, api_key=key, http_client=app, max_retries=0)
+
+    owner, other = client("key-a"), client("key-b")
+    whole = owner.responses.create(model="llm", input="I am Ada.")
+    with owner.responses.stream(model="llm", input="I am Ada.") as stream:
+        streamed = stream.get_final_response()
+    unknown = "resp_" + "0" * 32
+    for response_id in (whole.id, streamed.id):
+        # The same 404 as for an id never stored: nothing tells the other key it exists.
+        for key_id in (response_id, unknown):
+            with pytest.raises(openai.NotFoundError) as missing:
+                other.responses.retrieve(key_id)
+            assert missing.value.body["message"].replace(key_id, "ID") == (
+                "no stored response with id 'ID' (never stored, deleted or expired)"
+            )
+        with pytest.raises(openai.NotFoundError):
+            other.responses.delete(response_id)
+        with pytest.raises(openai.NotFoundError) as missing:
+            other.responses.create(model="llm", input="x", previous_response_id=response_id)
+        assert missing.value.body["param"] == "previous_response_id"
+        assert owner.responses.retrieve(response_id).output_text == "Hi Ada."
+        owner.responses.create(model="llm", input="And?", previous_response_id=response_id)
+    # The store holds neither key, only what names its owner without revealing the key.
+    held = " ".join(backend.response_store._texts)
+    assert "key-a" not in held and "key-b" not in held and whole.id in held
+    owner.responses.delete(whole.id)
+    with pytest.raises(openai.NotFoundError):
+        owner.responses.retrieve(whole.id)
+
+
 def test_without_a_store_nothing_is_kept_and_chaining_is_a_400():
     backend = ScriptedBackend("hi")  # response_store None: the operator keeps none
     client = sdk(backend)
