@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from serve import vllm_deployment
+from serve.api.keyring import load_tenants
 from serve.config import AppConfig, ModelConfig
 from serve.deployments.direct import DirectReplica
 from serve.deployments.ingress import OpenAIIngress
@@ -33,6 +34,7 @@ log = logging.getLogger("ray.serve")
 
 def build_app(args: dict | None = None):
     config = servable(AppConfig.model_validate(args or {}))
+    check_tenants_file(config)
     collector = serve.deployment(MetricsCollector).options(**COLLECTOR_OPTIONS).bind()
     if config.layout == "direct":  # the model's replicas are the ingress
         (model,) = config.models
@@ -47,6 +49,15 @@ def build_app(args: dict | None = None):
         replicas[model.id] = deployment.bind(model, metrics_collector=collector)
     ingress = serve.deployment(OpenAIIngress).options(**ingress_options(config))
     return ingress.bind(replicas, config, collector, response_store(config))
+
+
+def check_tenants_file(config: AppConfig) -> None:
+    """A tenants file that is wrong fails the deploy here, with its line, rather than
+    at each ingress replica's start (which Serve retries before it gives up). Checked
+    where the file is: the ingress replicas' nodes must have it, this one may not."""
+    path = config.api_keys.tenants_file
+    if path is not None and path.expanduser().exists():
+        load_tenants(path, [model.id for model in config.models])
 
 
 def response_store(config: AppConfig):

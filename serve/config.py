@@ -378,6 +378,11 @@ class APIKeys(_Strict):
         "TRITONLLM_API_KEYS", description="environment variable with comma-separated keys"
     )
     file: Path | None = Field(None, description="a file with one key per line")
+    tenants_file: Path | None = Field(
+        None,
+        description="a YAML file of named tenants: each with its keys (plain or "
+        "sha256:<hex>) and the models it may use (docs/operations.md)",
+    )
 
 
 class ResponsesConfig(_Strict):

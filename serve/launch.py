@@ -161,17 +161,18 @@ def is_loopback(host: str) -> bool:
 
 def keyless_apps(config: dict) -> list[str]:
     """The applications of ``config`` that would serve without an API key here."""
-    from serve.api.auth import load_api_keys
+    from serve.api.auth import app_keyring
+    from serve.api.keyring import TenantsFileError
     from serve.config import APIKeys
 
     keyless = []
     for app in config.get("applications", []):
         api_keys = APIKeys.model_validate(app.get("args", {}).get("api_keys", {}))
         try:
-            keys = load_api_keys(api_keys.env, api_keys.file)
-        except OSError:
-            keys = frozenset()
-        if not keys:
+            is_open = app_keyring(api_keys).open
+        except (OSError, TenantsFileError):  # the deploy will say what is wrong
+            is_open = True
+        if is_open:
             keyless.append(app.get("name", "default"))
     return keyless
 

@@ -1,86 +1,77 @@
 """Optional API keys: ``Authorization: Bearer <key>`` on every API route, and on
 Anthropic's Messages API its own header ``x-api-key: <key>`` as well.
 
-Keys come from an environment variable (comma-separated) and/or a file (one per
-line, ``#`` comments), never from the Serve config itself, so they stay out of
-``serve deploy`` payloads and the dashboard. With no key configured the API is
-open, which is right on loopback and wrong anywhere else (docs/operations.md says so).
-Keys are never logged; comparison is constant-time.
+Who a key is, plain or a named tenant's, is the app's :class:`serve.api.keyring.Keyring`
+(``app.state.keyring``); the dependencies here put the request's
+:class:`serve.api.keyring.Caller` in ``request.state.caller`` for the routes (the
+models a tenant may use, the owner of what it stores). Keys come from the environment
+and from files, never from the Serve config itself, so they stay out of ``serve
+deploy`` payloads and the dashboard. With no key configured the API is open, which is
+right on loopback and wrong anywhere else (docs/operations.md says so). Keys are never
+logged.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
-from pathlib import Path
 
 from fastapi import Request
 
 from serve.api.errors import Unauthorized
+from serve.api.keyring import ANYONE, Caller, Keyring
+from serve.config import APIKeys
 
 
-def load_api_keys(env: str | None, file: Path | None) -> frozenset[str]:
-    keys: list[str] = []
-    if env and os.environ.get(env):
-        keys += os.environ[env].split(",")
-    if file is not None:
-        lines = file.expanduser().read_text().splitlines()
-        keys += [line for line in lines if not line.lstrip().startswith("#")]
-    return frozenset(k.strip() for k in keys if k.strip())
+def app_keyring(api_keys: APIKeys, model_ids: list[str] | None = None) -> Keyring:
+    """The keyring ``api_keys`` (the Serve config's) names, read here: a keys or tenants
+    file that is missing or wrong raises, so the replica does not start; its tenants
+    may name only ``model_ids`` (None: not checked)."""
+    plain = os.environ.get(api_keys.env, "").split(",") if api_keys.env else []
+    return Keyring(plain, api_keys.file, api_keys.tenants_file, model_ids)
 
 
-def check_api_key(keys: frozenset[str], authorization: str | None) -> None:
-    """Raise 401 unless ``authorization`` is ``Bearer <one of keys>`` (or no keys are set)."""
-    if not keys:
+def caller(request: Request) -> Caller:
+    """Whom the request's key let in (:data:`serve.api.keyring.ANYONE` on an open API,
+    or on a route that needs no key)."""
+    return getattr(request.state, "caller", ANYONE)
+
+
+def key_owner(request: Request) -> str:
+    """Who owns what a request stores (its Responses): a named tenant, or the SHA-256 of
+    a plain key, never the key itself (stores may be read by others, Redis's
+    included); ``""`` on an open API, where every request is the one owner."""
+    return caller(request).owner
+
+
+def _keyring(request: Request) -> Keyring:
+    return getattr(request.app.state, "keyring", None) or Keyring()
+
+
+def _bearer(authorization: str | None) -> str | None:
+    scheme, _, given = (authorization or "").partition(" ")
+    return given if scheme.lower() == "bearer" and given.strip() else None
+
+
+async def require_api_key(request: Request) -> None:
+    """FastAPI dependency: 401 unless the Bearer key is one of the keyring's."""
+    keyring = _keyring(request)
+    if keyring.open:
         return
-    given = _bearer(authorization)
+    given = _bearer(request.headers.get("authorization"))
     if given is None:
         raise Unauthorized(
             "missing API key: send the header 'Authorization: Bearer <key>'",
             code="invalid_api_key",
         )
-    if not _is_one_of(keys, given):
-        raise Unauthorized("invalid API key", code="invalid_api_key")
-
-
-def _bearer(authorization: str | None) -> str | None:
-    scheme, _, given = (authorization or "").partition(" ")
-    return given if scheme.lower() == "bearer" and given else None
-
-
-def _is_one_of(keys: frozenset[str], given: str) -> bool:
-    # compare_digest on every key: the time taken does not tell which key is close.
-    matches = [hmac.compare_digest(given.strip().encode(), k.encode()) for k in keys]
-    return any(matches)
-
-
-def _keys(request: Request) -> frozenset[str]:
-    return getattr(request.app.state, "api_keys", frozenset())
-
-
-def key_owner(request: Request) -> str:
-    """Who owns what a request stores (its Responses): the SHA-256 of the Bearer key it
-    was let in with, never the key itself (stores may be read by others, Redis's
-    included); ``""`` on an open API, where every request is the one owner. Call it
-    after :func:`require_api_key` has let the request in."""
-    if not _keys(request):
-        return ""
-    key = (_bearer(request.headers.get("authorization")) or "").strip()
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-async def require_api_key(request: Request) -> None:
-    """FastAPI dependency; the ingress puts the loaded keys in ``app.state.api_keys``."""
-    check_api_key(_keys(request), request.headers.get("authorization"))
+    request.state.caller = _let_in(keyring, [given])
 
 
 async def require_messages_api_key(request: Request) -> None:
     """The Messages API's dependency: Anthropic's clients send ``x-api-key``; a Bearer
     key (OpenAI's way, and Anthropic's SDK's ``auth_token``) is taken too. Either header
     holding a key lets the request in."""
-    keys = _keys(request)
-    if not keys:
+    keyring = _keyring(request)
+    if keyring.open:
         return
     given = [request.headers.get("x-api-key"), _bearer(request.headers.get("authorization"))]
     given = [key for key in given if key and key.strip()]
@@ -90,5 +81,12 @@ async def require_messages_api_key(request: Request) -> None:
             "(or 'Authorization: Bearer <key>')",
             code="invalid_api_key",
         )
-    if not any([_is_one_of(keys, key) for key in given]):  # a list: every key compared
-        raise Unauthorized("invalid API key", code="invalid_api_key")
+    request.state.caller = _let_in(keyring, given)
+
+
+def _let_in(keyring: Keyring, given: list[str]) -> Caller:
+    for key in given:
+        found = keyring.caller(key)
+        if found is not None:
+            return found
+    raise Unauthorized("invalid API key", code="invalid_api_key")

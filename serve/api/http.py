@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from serve.api.backend import Backend
 from serve.api.errors import install_handlers
+from serve.api.keyring import Keyring
 from serve.api.messages import messages_router
 from serve.api.middleware import BodySizeLimit, RequestRecorder
 from serve.api.operations import operations_router
@@ -22,7 +23,7 @@ from serve.api.routes import router
 
 def create_app(
     backend: Backend,
-    api_keys: frozenset[str] = frozenset(),
+    keyring: Keyring | None = None,
     record_response: Callable | None = None,
 ) -> FastAPI:
     app = FastAPI(
@@ -31,7 +32,7 @@ def create_app(
     )
     app.state.backend = backend
     app.state.max_body_bytes = backend.config.max_body_bytes
-    app.state.api_keys = api_keys
+    app.state.keyring = keyring or Keyring()  # none: an open API
     app.state.record_response = record_response
     app.add_middleware(BodySizeLimit)
     app.add_middleware(RequestRecorder)  # outermost: it sees the 413s too

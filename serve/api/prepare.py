@@ -16,6 +16,7 @@ from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 
+from serve.api.auth import caller
 from serve.api.backend import Backend
 from serve.api.errors import APIError, NotFound
 from serve.api.schemas import MAX_CHOICES, ChatCompletionRequest, SamplingFields
@@ -47,6 +48,8 @@ def target(
     model with ``lora``, the adapter (whose existence the backend checks)."""
     name = request.headers.get(MULTIPLEXED_HEADER) or model_id
     resolved = backend.config.resolve(name)
+    if resolved is not None and not caller(request).may_use(resolved[0].id):
+        resolved = None  # a model the caller's tenant may not use is one it cannot see
     if resolved is None or resolved[0].task != task:
         what = "model" if resolved is None else f"{task} model"
         raise NotFound(f"{what} {name!r} does not exist", param="model", code="model_not_found")

@@ -17,7 +17,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from serve.api.auth import require_api_key
+from serve.api.auth import caller, require_api_key
 from serve.api.backend import Backend
 from serve.api.errors import APIError, InternalError, NotFound
 from serve.api.prepare import (
@@ -67,10 +67,13 @@ log = logging.getLogger("ray.serve")
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-async def _cards(backend: Backend) -> list[ModelCard]:
-    """Every id clients may send: the models, variants, and the adapters found now."""
+async def _cards(backend: Backend, request: Request) -> list[ModelCard]:
+    """Every id the caller may send: the models (those of its tenant), variants, and
+    the adapters found now."""
     cards = []
     for model in backend.config.models:
+        if not caller(request).may_use(model.id):
+            continue
         cards += [ModelCard.of(i) for i in model.served_ids()]
         if model.lora:
             found = await backend.adapters(model)
@@ -81,13 +84,13 @@ async def _cards(backend: Backend) -> list[ModelCard]:
 
 
 @router.get("/v1/models")
-async def list_models(backend: BackendDep):
-    return json_response(ModelList(object="list", data=await _cards(backend)))
+async def list_models(request: Request, backend: BackendDep):
+    return json_response(ModelList(object="list", data=await _cards(backend, request)))
 
 
 @router.get("/v1/models/{model_id}")
-async def retrieve_model(model_id: str, backend: BackendDep):
-    card = next((c for c in await _cards(backend) if c.id == model_id), None)
+async def retrieve_model(model_id: str, request: Request, backend: BackendDep):
+    card = next((c for c in await _cards(backend, request) if c.id == model_id), None)
     if card is None:
         raise NotFound(f"model {model_id!r} does not exist", param="model", code="model_not_found")
     return json_response(card)
@@ -213,6 +216,8 @@ async def generate_get(
 @router.post("/generate")
 async def generate_post(body: GenerateRequest, request: Request, backend: BackendDep):
     model, variant = backend.config.default_target
+    if not caller(request).may_use(model.id):
+        raise NotFound(f"/generate runs {model.id!r}, which this API key may not use")
     request.state.model = variant or model.id
     check_prompt_chars(backend, len(body.prompt), "prompt")
     params = CompletionRequest(model=model.id, prompt=body.prompt).params(

@@ -29,7 +29,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from serve.adapters import AdapterCatalog
-from serve.api.auth import load_api_keys
+from serve.api.auth import app_keyring
 from serve.api.backend import Embeddings
 from serve.api.chat_template import render_chat_prompt
 from serve.api.errors import APIError, InternalError, NotFound, Overloaded
@@ -180,15 +180,15 @@ class ApiBackend:
         self._adapters = {
             m.id: AdapterCatalog(m.lora.adapters_url()) for m in config.models if m.lora
         }
-        self._api_keys = load_api_keys(config.api_keys.env, config.api_keys.file)
-        log.info("API keys %s", "required" if self._api_keys else "not configured (open API)")
+        self._keyring = app_keyring(config.api_keys, [m.id for m in config.models])
+        log.info("API keys %s", "not configured (open API)" if self._keyring.open else "required")
 
     async def _metrics_text(self) -> str:
         """What this process publishes to the app's metrics collector."""
         return self.metrics.text()
 
     def __serve_build_asgi_app__(self):
-        return create_app(self, self._api_keys, self._record_response)
+        return create_app(self, self._keyring, self._record_response)
 
     def _record_response(self, scope, status: int, seconds: float) -> None:
         # The route's template, not the raw path: unknown paths must not mint labels.

@@ -28,6 +28,15 @@ from tritonllm import contract
 
 pytestmark = pytest.mark.integration
 MODEL = "tritonllm-default"
+# Two named tenants (docs/operations.md#tenants), b limited to the one model.
+TENANTS = """
+tenants:
+  - name: a
+    keys: [tenant-a-1, tenant-a-2]
+  - name: b
+    keys: [tenant-b-1]
+    models: [tritonllm-default]
+"""
 TRITON = f"Triton-{MODEL}"
 
 
@@ -448,19 +457,38 @@ def test_a_repository_that_fails_to_load_fails_the_deployment_with_tritons_reaso
     details = wait_for(failed, 60, "DEPLOY_FAILED for the unbuilt repository")
     assert "make engines" in details["message"], details["message"]
 
+    # So does a tenants file that names a model the app does not serve, with its line.
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(TENANTS.replace("models: [tritonllm-default]", "models: [gpt-9]"))
+    config = serve_config(built_repository, deployment={"autoscaling_config": None})
+    config["applications"][0]["args"]["api_keys"] = {"tenants_file": str(tenants)}
+    cluster.deploy(config)
+    details = wait_for(failed, 60, "DEPLOY_FAILED for the tenants file")
+    assert f"{tenants}:7: tenant 'b': model 'gpt-9' is not one" in details["message"]
 
-def test_api_keys_and_a_fuzzed_api(cluster, built_repository, tmp_path):
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_api_keys_tenants_and_a_fuzzed_api(cluster, built_repository, tmp_path):
     import schemathesis
 
     keys = tmp_path / "keys"
-    keys.write_text("key-for-tests\nkey-of-another\n")
+    keys.write_text("key-for-tests\n")
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(TENANTS)
     config = serve_config(
         built_repository,
         max_tokens_cap=8,
         default_max_tokens=4,
         deployment={"autoscaling_config": None},
     )
-    config["applications"][0]["args"]["api_keys"] = {"env": None, "file": str(keys)}
+    config["applications"][0]["args"]["api_keys"] = {
+        "env": None,
+        "file": str(keys),
+        "tenants_file": str(tenants),
+    }
     cluster.deploy(config)
     cluster.wait_running()
     anonymous = httpx.get(f"{cluster.url}/v1/models", timeout=30)
@@ -468,17 +496,30 @@ def test_api_keys_and_a_fuzzed_api(cluster, built_repository, tmp_path):
     auth = {"Authorization": "Bearer key-for-tests"}
     assert httpx.get(f"{cluster.url}/v1/models", headers=auth, timeout=30).status_code == 200
 
-    # What one key stores, another key neither reads, chains from nor deletes.
-    another = {"Authorization": "Bearer key-of-another"}
+    # What a tenant stores, its keys read and no other key does (nor chains from, deletes).
+    a1, a2, b1 = (bearer(key) for key in ("tenant-a-1", "tenant-a-2", "tenant-b-1"))
     body = {"model": MODEL, "input": "Hello", "max_output_tokens": 4}
-    stored = httpx.post(f"{cluster.url}/v1/responses", json=body, headers=auth, timeout=60)
+    stored = httpx.post(f"{cluster.url}/v1/responses", json=body, headers=a1, timeout=60)
     url = f"{cluster.url}/v1/responses/{stored.json()['id']}"
     chained = body | {"previous_response_id": stored.json()["id"]}
-    assert httpx.get(url, headers=another, timeout=30).status_code == 404
-    assert httpx.delete(url, headers=another, timeout=30).status_code == 404
-    refused = httpx.post(f"{cluster.url}/v1/responses", json=chained, headers=another, timeout=60)
-    assert refused.status_code == 404, refused.text
-    assert httpx.get(url, headers=auth, timeout=30).json() == stored.json()
+    for other in (b1, auth):
+        assert httpx.get(url, headers=other, timeout=30).status_code == 404
+        assert httpx.delete(url, headers=other, timeout=30).status_code == 404
+        refused = httpx.post(f"{cluster.url}/v1/responses", json=chained, headers=other, timeout=60)
+        assert refused.status_code == 404, refused.text
+    assert httpx.get(url, headers=a2, timeout=30).json() == stored.json()
+
+    # A key added to the tenants file lets its caller in, one removed no longer does.
+    # (Within 10 s on every ingress replica: each reads the file every 2 s at most.)
+    tenants.write_text(TENANTS.replace("tenant-a-2", "tenant-a-3"))
+
+    def answers(headers: dict, status: int) -> bool:
+        statuses = {httpx.get(models, headers=headers).status_code for _ in range(4)}
+        return statuses == {status}
+
+    models = f"{cluster.url}/v1/models"
+    wait_for(lambda: answers(bearer("tenant-a-3"), 200), 10, "the added key let in")
+    wait_for(lambda: answers(a2, 401), 10, "the removed key refused")
 
     schema = schemathesis.openapi.from_url(f"{cluster.url}/openapi.json")
     failures = server_errors(schema, lambda case: case.call(headers=auth, timeout=60), 15)

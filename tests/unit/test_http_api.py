@@ -19,13 +19,14 @@ import pytest
 import schemathesis
 from fastapi.testclient import TestClient
 
-from serve.api.auth import load_api_keys
+from serve.api.auth import app_keyring
 from serve.api.backend import Embeddings
 from serve.api.errors import APIError, Overloaded
 from serve.api.http import create_app
+from serve.api.keyring import Keyring
 from serve.api.sampling import GREEDY
 from serve.api.token_texts import TokenTexts
-from serve.config import AppConfig
+from serve.config import APIKeys, AppConfig
 from serve.generation import GenerationChunk, PromptLogProbs, TopLogProbs
 from serve.triton.requests import final_chunk
 from tests.fuzzing import server_errors
@@ -142,8 +143,8 @@ class FakeBackend:
         return "# TYPE up gauge\nup 1\n"
 
 
-def client(backend=None, keys=frozenset(), record=None) -> TestClient:
-    app = create_app(backend or FakeBackend(), keys, record)
+def client(backend=None, keys=(), record=None) -> TestClient:
+    app = create_app(backend or FakeBackend(), Keyring(keys), record)
     return TestClient(app, raise_server_exceptions=False)
 
 
@@ -426,9 +427,10 @@ def test_api_keys_guard_every_route(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("TEST_KEYS", "k1, k2")
     key_file = tmp_path / "keys"
     key_file.write_text("# ops team\nk3\n")
-    keys = load_api_keys("TEST_KEYS", key_file)
-    assert keys == {"k1", "k2", "k3"}
-    api = client(keys=keys)
+    keyring = app_keyring(APIKeys(env="TEST_KEYS", file=key_file))
+    assert all(keyring.caller(key) is not None for key in ("k1", "k2", "k3"))
+    app = create_app(FakeBackend(), keyring)
+    api = TestClient(app, raise_server_exceptions=False)
     with caplog.at_level(logging.DEBUG):
         for path in ("/v1/models", "/generate?query=x"):
             missing = api.get(path)
@@ -441,7 +443,7 @@ def test_api_keys_guard_every_route(monkeypatch, tmp_path, caplog):
 
 def test_no_keys_configured_means_an_open_api(monkeypatch):
     monkeypatch.delenv("TEST_KEYS", raising=False)
-    assert load_api_keys("TEST_KEYS", None) == frozenset()
+    assert app_keyring(APIKeys(env="TEST_KEYS")).open
     assert client().get("/v1/models").json()["data"][0]["id"] == "llm"
 
 

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from serve.api.errors import Overloaded
 from serve.api.http import create_app
+from serve.api.keyring import Keyring
 from serve.api.messages_schemas import MessagesRequest
 from serve.api.structured import NamedToolChoice
 from tests.unit.test_http_api import FakeBackend
@@ -31,12 +32,12 @@ WEATHER = {
 ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 
-def http(backend=None, keys=frozenset(), record=None) -> TestClient:
-    app = create_app(backend or FakeBackend(), keys, record)
+def http(backend=None, keys=(), record=None) -> TestClient:
+    app = create_app(backend or FakeBackend(), Keyring(keys), record)
     return TestClient(app, raise_server_exceptions=False)
 
 
-def sdk(backend=None, keys=frozenset(), api_key: str = "unused") -> anthropic.Anthropic:
+def sdk(backend=None, keys=(), api_key: str = "unused") -> anthropic.Anthropic:
     """The anthropic SDK over the app (starlette's TestClient is an httpx.Client)."""
     return anthropic.Anthropic(
         base_url="http://testserver",

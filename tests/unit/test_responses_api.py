@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from serve.api.answer import start_answer
 from serve.api.errors import Overloaded
 from serve.api.http import create_app
+from serve.api.keyring import Keyring
 from serve.api.prepare import ChatTurn
 from serve.api.response_store import MemoryStore
 from serve.api.responses_api import _Draft, _events
@@ -42,7 +43,7 @@ class StoringBackend(ScriptedBackend):
 
 
 def api(backend) -> TestClient:
-    return TestClient(create_app(backend, frozenset(), None), raise_server_exceptions=False)
+    return TestClient(create_app(backend), raise_server_exceptions=False)
 
 
 def sdk(backend) -> openai.OpenAI:
@@ -208,7 +209,7 @@ def test_a_streamed_response_is_stored_as_streamed():
 
 def test_what_one_api_key_stores_no_other_key_reads_chains_from_or_deletes():
     backend = StoringBackend("Hi Ada.", piece=2)
-    app = TestClient(create_app(backend, frozenset({"key-a", "key-b"}), None))
+    app = TestClient(create_app(backend, Keyring(["key-a", "key-b"])))
 
     def client(key: str) -> openai.OpenAI:
         url = "http://testserver/v1"

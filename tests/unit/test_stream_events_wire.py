@@ -31,7 +31,7 @@ def masked(text: str) -> str:
 
 def frames(backend, path: str, **body) -> list[str]:
     """Each SSE event of a streamed answer, ``event:`` line and ``data:`` line."""
-    app = create_app(backend, frozenset(), None)
+    app = create_app(backend)
     response = TestClient(app).post(path, json={"model": "llm", "stream": True, **body})
     assert response.status_code == 200, response.text
     return masked(response.text).removesuffix("\n\n").split("\n\n")

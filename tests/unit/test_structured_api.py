@@ -84,7 +84,7 @@ class ScriptedBackend(FakeBackend):
 
 
 def post(backend, body, path="/v1/chat/completions"):
-    app = create_app(backend, frozenset(), None)
+    app = create_app(backend)
     return TestClient(app, raise_server_exceptions=False).post(path, json=body)
 
 

@@ -1,0 +1,254 @@
+"""Who a request's API key is: the keyring of an app's keys and the tenants they name.
+
+Keys come from three places, read by each ingress (and direct) replica:
+
+- ``api_keys.env`` (comma-separated) and ``api_keys.file`` (one key per line): each
+  key is a caller of its own, in the tenant ``default``, with every model;
+- ``api_keys.tenants_file`` (YAML): named tenants, each with its keys (plain, or
+  ``sha256:<hex>`` so that the file holds no key at all) and the models it may use.
+
+The keyring holds SHA-256 digests only: a key is never kept, logged or sent to a
+store, and what a caller stores (its Responses) is filed under its owner, the key's
+digest or, for a named tenant, the tenant's name (its keys share its responses).
+A key is found by its digest in a dict: the time taken depends on the digest of what
+the caller sent, which tells it nothing about any real key's bytes, so no
+constant-time comparison is needed. A request reads the files again (every
+``RELOAD_S`` seconds at most) and a change takes effect at once; a file that has become
+invalid or gone keeps the keyring it had, with the error in the log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+log = logging.getLogger("ray.serve")
+
+# How often a request may look at the files' modification times.
+RELOAD_S = 2.0
+DEFAULT_TENANT = "default"
+_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.strip().encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Whom a key lets in: its tenant, the models it may use (None: all) and the owner
+    of what it stores."""
+
+    tenant: str
+    owner: str
+    models: frozenset[str] | None = None
+
+    def may_use(self, model_id: str) -> bool:
+        return self.models is None or model_id in self.models
+
+
+# The open API's one caller: no keys configured, every request is it.
+ANYONE = Caller(tenant=DEFAULT_TENANT, owner="")
+
+
+class Tenant(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    keys: list[str] = Field(min_length=1, description="plain keys, or sha256:<64 hex>")
+    models: list[str] | None = Field(None, min_length=1, description="all when absent")
+
+    @field_validator("keys")
+    @classmethod
+    def _no_blank_key(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            if not key.strip():
+                raise ValueError("a key is empty")
+            if key.startswith("sha256:") and not _DIGEST.fullmatch(key):
+                raise ValueError("sha256: must be followed by 64 lowercase hex digits")
+        return keys
+
+    def digests(self) -> list[str]:
+        return [k[len("sha256:") :] if _DIGEST.fullmatch(k) else digest(k) for k in self.keys]
+
+
+class TenantsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenants: list[Tenant] = Field(min_length=1)
+
+
+class TenantsFileError(ValueError):
+    """A tenants file that cannot be used, with the file and line that is wrong."""
+
+
+def load_tenants(path: Path, model_ids: Iterable[str] | None) -> list[Tenant]:
+    """The tenants of ``path``, checked: valid YAML of the schema above, no tenant name
+    or key twice, only models the app serves (``model_ids``; None: not checked).
+    Raises :class:`TenantsFileError` naming the line that is wrong."""
+    text = path.expanduser().read_text()
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise TenantsFileError(f"{path}: not YAML: {error}") from None
+    try:
+        tenants = TenantsFile.model_validate(data).tenants
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = _line(root, first["loc"])
+        field = ".".join(str(part) for part in first["loc"])
+        raise TenantsFileError(f"{path}:{where}: {field}: {first['msg']}") from None
+    known = None if model_ids is None else set(model_ids)
+    seen_names: set[str] = set()
+    owners: dict[str, str] = {}
+    for i, tenant in enumerate(tenants):
+        if tenant.name in seen_names:
+            raise TenantsFileError(
+                f"{path}:{_line(root, ('tenants', i, 'name'))}: tenant {tenant.name!r} twice"
+            )
+        seen_names.add(tenant.name)
+        for j, key_digest in enumerate(tenant.digests()):
+            if key_digest in owners:
+                where = _line(root, ("tenants", i, "keys", j))
+                other = owners[key_digest]
+                also = "twice" if other == tenant.name else f"that tenant {other!r} has too"
+                raise TenantsFileError(
+                    f"{path}:{where}: tenant {tenant.name!r} has a key {also} "
+                    "(a key names one tenant, once)"
+                )
+            owners[key_digest] = tenant.name
+        for j, model in enumerate(tenant.models or []):
+            if known is not None and model not in known:
+                where = _line(root, ("tenants", i, "models", j))
+                raise TenantsFileError(
+                    f"{path}:{where}: tenant {tenant.name!r}: model {model!r} is not one "
+                    f"of the app's models ({', '.join(sorted(known))})"
+                )
+    return tenants
+
+
+def _line(node, loc: tuple) -> int:
+    """The 1-based line of the YAML node at ``loc`` (pydantic's error location), or of
+    the deepest node of it that exists."""
+    for part in loc:
+        child = None
+        if isinstance(node, yaml.MappingNode):
+            child = next((v for k, v in node.value if k.value == part), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            child = node.value[part] if part < len(node.value) else None
+        if child is None:
+            break
+        node = child
+    return node.start_mark.line + 1 if node is not None else 1
+
+
+class Keyring:
+    """The app's keys, by digest, read again from their files when those change.
+
+    ``plain``: the keys of ``api_keys.env`` (read once: a process's environment does
+    not change); ``keys_file`` and ``tenants_file`` are re-read on change; the tenants
+    may name only ``model_ids`` (None: not checked)."""
+
+    def __init__(
+        self,
+        plain: Iterable[str] = (),
+        keys_file: Path | None = None,
+        tenants_file: Path | None = None,
+        model_ids: Iterable[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._plain = frozenset(digest(k) for k in plain if k.strip())
+        self._keys_file, self._tenants_file = keys_file, tenants_file
+        self._model_ids = None if model_ids is None else tuple(model_ids)
+        self._clock = clock
+        self._callers: dict[str, Caller] = {}
+        self._checked_at = clock()
+        self._stamps = self._file_stamps()
+        self._load()  # a file that is missing or wrong: raised here, at deploy
+
+    @property
+    def open(self) -> bool:
+        """No key configured: the API is open (loopback use)."""
+        self._refresh()
+        return not self._callers
+
+    def caller(self, key: str | None) -> Caller | None:
+        """Whom ``key`` lets in; None for no key or one the keyring does not hold. On
+        an open API, :data:`ANYONE` whatever the key."""
+        self._refresh()
+        if not self._callers:
+            return ANYONE
+        return self._callers.get(digest(key)) if key and key.strip() else None
+
+    def _refresh(self) -> None:
+        now = self._clock()
+        if now - self._checked_at < RELOAD_S:
+            return
+        self._checked_at = now
+        stamps = self._file_stamps()
+        if stamps == self._stamps:
+            return
+        self._stamps = stamps  # a file gone wrong is reported once per change
+        try:
+            self._load()
+        except (OSError, TenantsFileError) as error:
+            log.error("API keys: kept the keys loaded before: %s", error)
+        else:
+            log.info("API keys reloaded: %d keys", len(self._callers))
+
+    def _file_stamps(self) -> tuple:
+        """The files' bytes (None for one missing): small files, read every RELOAD_S
+        at most, and unlike a modification time they miss no change (a rewrite in the
+        same clock tick, a Kubernetes Secret's volume swapping its symlink)."""
+        stamps = []
+        for path in (self._keys_file, self._tenants_file):
+            try:
+                stamps.append(path.expanduser().read_bytes() if path is not None else None)
+            except OSError:
+                stamps.append(None)
+        return tuple(stamps)
+
+    def _load(self) -> None:
+        callers = {d: Caller(DEFAULT_TENANT, owner=d) for d in self._plain}
+        if self._keys_file is not None:
+            for key in read_keys_file(self._keys_file):
+                callers[digest(key)] = Caller(DEFAULT_TENANT, owner=digest(key))
+        if self._tenants_file is not None:
+            for tenant in load_tenants(self._tenants_file, self._model_ids):
+                models = frozenset(tenant.models) if tenant.models else None
+                caller = Caller(tenant.name, owner=f"tenant:{tenant.name}", models=models)
+                for key_digest in tenant.digests():
+                    if key_digest in callers:
+                        raise TenantsFileError(
+                            f"{self._tenants_file}: tenant {tenant.name!r} has a key of "
+                            "api_keys.env or api_keys.file (a key names one tenant)"
+                        )
+                    callers[key_digest] = caller
+        self._callers = callers
+
+
+def read_keys_file(path: Path) -> list[str]:
+    """The keys of a plain keys file: one per line, ``#`` comments and blanks skipped."""
+    lines = path.expanduser().read_text().splitlines()
+    return [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
+
+
+def main() -> None:
+    """``python -m serve.api.keyring < key``: the ``sha256:`` form of a key, for a
+    tenants file that holds no key."""
+    import sys
+
+    print(f"sha256:{digest(sys.stdin.read())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The keyring: plain keys and named tenants, their digests, the tenants file's errors
+(with the line that is wrong) and its reload when it changes."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from serve.api.keyring import (
+    ANYONE,
+    DEFAULT_TENANT,
+    RELOAD_S,
+    Keyring,
+    TenantsFileError,
+    digest,
+    load_tenants,
+)
+from tests.conftest import ROOT
+
+MODELS = ("llm", "embed")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def write(path, text: str):
+    path.write_text(textwrap.dedent(text).lstrip())
+    return path
+
+
+def test_plain_keys_are_callers_of_their_own_in_the_default_tenant(tmp_path):
+    keys = write(tmp_path / "keys", "# ops\nkey-a\n\n  key-b  \n")
+    keyring = Keyring(plain=["key-c", " "], keys_file=keys)
+    a, b, c = (keyring.caller(k) for k in ("key-a", "key-b", "key-c"))
+    assert {a.tenant, b.tenant, c.tenant} == {DEFAULT_TENANT}
+    assert len({a.owner, b.owner, c.owner}) == 3 and a.owner == digest("key-a")
+    assert a.may_use("anything") and not keyring.open
+    for wrong in (None, "", "key-d", "sha256:" + digest("key-a")):
+        assert keyring.caller(wrong) is None
+
+
+def test_without_keys_the_api_is_open_to_anyone():
+    keyring = Keyring()
+    assert keyring.open and keyring.caller(None) is ANYONE and keyring.caller("x") is ANYONE
+
+
+def test_a_tenant_s_keys_plain_or_hashed_share_its_name_models_and_responses(tmp_path):
+    tenants = write(
+        tmp_path / "tenants.yaml",
+        f"""
+        tenants:
+          - name: search
+            keys: [search-1, "sha256:{digest("search-2")}"]
+            models: [llm]
+          - name: batch
+            keys: [batch-1]
+        """,
+    )
+    keyring = Keyring(plain=["ops"], tenants_file=tenants, model_ids=MODELS)
+    one, two = keyring.caller("search-1"), keyring.caller("search-2")
+    assert one == two and one.tenant == "search" and one.owner == "tenant:search"
+    assert one.may_use("llm") and not one.may_use("embed")
+    assert keyring.caller("batch-1").may_use("embed")
+    assert keyring.caller("ops").tenant == DEFAULT_TENANT
+    assert keyring.caller("sha256:" + digest("search-2")) is None  # the digest is no key
+
+
+@pytest.mark.parametrize(
+    "text, line, says",
+    [
+        ("tenants:\n  - name: a\n    keys: [k1]\n  - name: b\n    keys: [k2, k1]\n", 5, "'a'"),
+        ("tenants:\n  - name: a\n    keys: [k1]\n  - name: a\n    keys: [k2]\n", 4, "twice"),
+        ("tenants:\n  - name: a\n    keys: [k1]\n    models: [llm, gpt-9]\n", 4, "gpt-9"),
+        ("tenants:\n  - name: a\n    keys: []\n", 3, "at least 1"),
+        ("tenants:\n  - name: a\n    keys: [k1]\n    rpm: 5\n", 4, "rpm"),
+        ("tenants:\n  - name: a b\n    keys: [k1]\n", 2, "pattern"),
+        ("tenants:\n  - name: a\n    keys: ['sha256:abc']\n", 3, "64"),
+        ("tenants: [\n", 1, "not YAML"),
+    ],
+)
+def test_a_bad_tenants_file_is_refused_with_the_line_that_is_wrong(tmp_path, text, line, says):
+    path = write(tmp_path / "tenants.yaml", text)
+    with pytest.raises(TenantsFileError) as refused:
+        load_tenants(path, MODELS)
+    message = str(refused.value)
+    assert says in message, message
+    if says != "not YAML":
+        assert message.startswith(f"{path}:{line}: "), message
+
+
+def test_a_key_of_the_plain_keys_cannot_also_be_a_tenant_s(tmp_path):
+    tenants = write(tmp_path / "t.yaml", "tenants:\n  - name: a\n    keys: [shared]\n")
+    with pytest.raises(TenantsFileError, match="one tenant"):
+        Keyring(plain=["shared"], tenants_file=tenants, model_ids=MODELS)
+
+
+def test_changed_files_take_effect_and_a_broken_one_keeps_the_keys_before(tmp_path, caplog):
+    clock = Clock()
+    keys = write(tmp_path / "keys", "old\n")
+    tenants = write(tmp_path / "t.yaml", "tenants:\n  - name: a\n    keys: [a1]\n")
+    keyring = Keyring(keys_file=keys, tenants_file=tenants, model_ids=MODELS, clock=clock)
+    write(keys, "new\n")
+    assert keyring.caller("old") is not None  # not looked at before RELOAD_S
+    clock.now += RELOAD_S
+    assert keyring.caller("old") is None and keyring.caller("new") is not None
+
+    write(tenants, "tenants:\n  - name: a\n    keys: [a1, new]\n")  # a key twice
+    clock.now += RELOAD_S
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        assert keyring.caller("a1").tenant == "a"  # kept
+    assert "kept the keys loaded before" in caplog.text and "new" not in caplog.text
+    caplog.clear()
+    clock.now += RELOAD_S
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        keyring.caller("a1")
+    assert not caplog.text  # reported once, not on every check
+
+    tenants.unlink()
+    clock.now += RELOAD_S
+    assert keyring.caller("a1").tenant == "a"  # a file gone keeps the keys too
+
+
+def test_the_module_prints_a_key_s_sha256_form():
+    done = subprocess.run(
+        [sys.executable, "-m", "serve.api.keyring"],
+        input="my-key\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
+    assert done.stdout.strip() == f"sha256:{digest('my-key')}"

@@ -1,0 +1,105 @@
+"""Named tenants at the HTTP layer: a tenant sees and uses only its models (another is
+the 404 of a model that does not exist, on every API), its keys share its stored
+responses, and a key added to or removed from the file counts once it is re-read."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from fastapi.testclient import TestClient
+
+from serve.api.http import create_app
+from serve.api.keyring import RELOAD_S, Keyring
+from serve.api.response_store import MemoryStore
+from tests.unit.test_http_api import FakeBackend, error_of
+
+TENANTS = """
+tenants:
+  - name: chat
+    keys: [chat-1, chat-2]
+    models: [llm]
+  - name: embed
+    keys: [embed-1]
+    models: [emb]
+  - name: ops
+    keys: [ops-1]
+"""
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def tenants(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(textwrap.dedent(TENANTS))
+    return path
+
+
+def api(tenants, clock=None) -> TestClient:
+    backend = FakeBackend()
+    backend.response_store = MemoryStore(max_bytes=1 << 20, ttl_s=60)
+    keyring = Keyring(tenants_file=tenants, model_ids=["llm", "emb"], clock=clock or Clock())
+    return TestClient(create_app(backend, keyring), raise_server_exceptions=False)
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_a_tenant_sees_and_uses_only_its_models(tenants):
+    client = api(tenants)
+    listed = {
+        key: [m["id"] for m in client.get("/v1/models", headers=bearer(key)).json()["data"]]
+        for key in ("chat-1", "embed-1", "ops-1")
+    }
+    assert listed == {"chat-1": ["llm"], "embed-1": ["emb"], "ops-1": ["llm", "emb"]}
+    assert client.get("/v1/models/llm", headers=bearer("chat-1")).status_code == 200
+    assert error_of(client.get("/v1/models/emb", headers=bearer("chat-1")), 404)
+
+    embed = {"model": "emb", "input": ["ab"]}
+    refused = error_of(client.post("/v1/embeddings", json=embed, headers=bearer("chat-1")), 404)
+    unknown = client.post("/v1/embeddings", json=embed | {"model": "nope"}, headers=bearer("ops-1"))
+    # The same answer as for a model that does not exist: nothing says it is there.
+    assert refused == error_of(unknown, 404) | {"message": "model 'emb' does not exist"}
+    assert client.post("/v1/embeddings", json=embed, headers=bearer("embed-1")).status_code == 200
+
+    completion = {"model": "llm", "prompt": "a b", "max_tokens": 2}
+    for key, status in (("chat-1", 200), ("embed-1", 404), ("ops-1", 200)):
+        answer = client.post("/v1/completions", json=completion, headers=bearer(key))
+        assert answer.status_code == status, (key, answer.text)
+    chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    answer = client.post("/v1/chat/completions", json=chat, headers=bearer("embed-1"))
+    assert error_of(answer, 404)["code"] == "model_not_found"
+    messages = {"model": "llm", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    answer = client.post("/v1/messages", json=messages, headers={"x-api-key": "embed-1"})
+    assert answer.status_code == 404, answer.text
+    # /generate runs the first model: a tenant without it gets a 404 there too.
+    assert client.get("/generate?query=a", headers=bearer("chat-1")).status_code == 200
+    assert error_of(client.get("/generate?query=a", headers=bearer("embed-1")), 404)
+
+
+def test_a_tenant_s_keys_share_its_stored_responses_and_no_one_else_s(tenants):
+    client = api(tenants)
+    body = {"model": "llm", "input": "a b", "max_output_tokens": 2}
+    stored = client.post("/v1/responses", json=body, headers=bearer("chat-1")).json()
+    url = f"/v1/responses/{stored['id']}"
+    assert client.get(url, headers=bearer("chat-2")).json()["id"] == stored["id"]
+    assert client.get(url, headers=bearer("ops-1")).status_code == 404
+    assert client.delete(url, headers=bearer("ops-1")).status_code == 404
+    assert client.delete(url, headers=bearer("chat-2")).status_code == 200
+
+
+def test_a_key_added_or_removed_counts_once_the_file_is_read_again(tenants):
+    clock = Clock()
+    client = api(tenants, clock)
+    assert client.get("/v1/models", headers=bearer("chat-3")).status_code == 401
+    tenants.write_text(tenants.read_text().replace("[chat-1, chat-2]", "[chat-2, chat-3]"))
+    clock.now += RELOAD_S
+    assert client.get("/v1/models", headers=bearer("chat-3")).status_code == 200
+    assert error_of(client.get("/v1/models", headers=bearer("chat-1")), 401)
