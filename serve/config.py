@@ -421,6 +421,33 @@ class ResponsesConfig(_Strict):
         return int(self.max_memory_mb * (1 << 20))
 
 
+class RateLimitsConfig(_Strict):
+    """Where the tenants' rate limits (``requests_per_minute`` in the tenants file)
+    keep their counts."""
+
+    store: Literal["memory", "redis"] = Field(
+        "memory",
+        description="memory: each ingress replica counts alone (holds for one ingress "
+        "replica); redis: one count per tenant across every replica",
+    )
+    redis_url: str | None = Field(None, description="redis: the URL, e.g. redis://host:6379/0")
+    redis_url_env: str | None = Field(
+        None, description="redis: an environment variable of the ingress holding the URL"
+    )
+    key_prefix: str = Field("tritonllm:limits:", description="redis: each key's prefix")
+    on_store_error: Literal["open", "closed"] = Field(
+        "open",
+        description="redis unreachable: open lets requests in unlimited, closed refuses "
+        "them with a 503",
+    )
+
+    @model_validator(mode="after")
+    def _one_redis_url(self) -> RateLimitsConfig:
+        if self.store == "redis" and (self.redis_url is None) == (self.redis_url_env is None):
+            raise ValueError("store: redis needs exactly one of redis_url and redis_url_env")
+        return self
+
+
 class IngressOptions(_Strict):
     """The HTTP front door's Serve options: light, async, many requests at once."""
 
@@ -452,6 +479,7 @@ class AppConfig(_Strict):
     max_messages: int = Field(256, gt=0, description="chat messages a request may hold")
     api_keys: APIKeys = Field(default_factory=APIKeys)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
+    rate_limits: RateLimitsConfig = Field(default_factory=RateLimitsConfig)
     ingress: IngressOptions = Field(default_factory=IngressOptions)
     layout: Literal["ingress", "direct"] = Field(
         "ingress",

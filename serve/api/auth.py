@@ -19,6 +19,7 @@ from fastapi import Request
 
 from serve.api.errors import Unauthorized
 from serve.api.keyring import ANYONE, Caller, Keyring
+from serve.api.limits import RateLimited
 from serve.config import APIKeys
 
 
@@ -64,6 +65,7 @@ async def require_api_key(request: Request) -> None:
             code="invalid_api_key",
         )
     request.state.caller = _let_in(keyring, [given])
+    await _admit(request)
 
 
 async def require_messages_api_key(request: Request) -> None:
@@ -82,6 +84,20 @@ async def require_messages_api_key(request: Request) -> None:
             code="invalid_api_key",
         )
     request.state.caller = _let_in(keyring, given)
+    await _admit(request)
+
+
+async def _admit(request: Request) -> None:
+    """Holds the caller's tenant to its requests per minute: 429 past it; the quota
+    goes in ``request.state.quota`` for the headers of the answer, 429s included."""
+    tenant = caller(request)
+    buckets = getattr(request.app.state, "buckets", None)
+    if tenant.requests_per_minute is None or buckets is None:
+        return
+    quota = await buckets.take(f"{tenant.tenant}:requests", tenant.requests_per_minute)
+    request.state.quota = quota
+    if not quota.allowed:
+        raise RateLimited(tenant.tenant, quota)
 
 
 def _let_in(keyring: Keyring, given: list[str]) -> Caller:

@@ -135,7 +135,7 @@ def body_builder(path: str) -> Callable[[APIError], dict]:
     return anthropic_body if speaks_anthropic(path) else APIError.body
 
 
-def _route_path(scope: Scope) -> str:
+def route_path(scope: Scope) -> str:
     """The path the routes see (a Serve route prefix is the ASGI ``root_path``)."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
     return path[len(root) :] if root and path.startswith(root) else path
@@ -151,7 +151,7 @@ class ErrorResponse(JSONResponse):
         super().__init__(error.body(), status_code=error.status, headers=error.headers())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        build = body_builder(_route_path(scope))
+        build = body_builder(route_path(scope))
         if build is not APIError.body:
             self.body = self.render(build(self.error))
             self.init_headers(self.error.headers())  # the new body's length
@@ -174,7 +174,7 @@ def install_handlers(app: FastAPI) -> None:
         message = first["msg"]
         # The reasons are OpenAI's fields' (the Messages API's schemas give their own).
         reason = None
-        if first["type"] == "extra_forbidden" and not speaks_anthropic(_route_path(request.scope)):
+        if first["type"] == "extra_forbidden" and not speaks_anthropic(route_path(request.scope)):
             reason = unsupported.reason(str(first["loc"][-1]))
         if reason:
             message = f"not supported: {reason}"

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from serve.api.backend import Backend
 from serve.api.errors import install_handlers
 from serve.api.keyring import Keyring
+from serve.api.limits import Buckets, MemoryBuckets
 from serve.api.messages import messages_router
 from serve.api.middleware import BodySizeLimit, RequestRecorder
 from serve.api.operations import operations_router
@@ -25,6 +26,7 @@ def create_app(
     backend: Backend,
     keyring: Keyring | None = None,
     record_response: Callable | None = None,
+    buckets: Buckets | None = None,
 ) -> FastAPI:
     app = FastAPI(
         title="triton-ray-llm",
@@ -33,6 +35,7 @@ def create_app(
     app.state.backend = backend
     app.state.max_body_bytes = backend.config.max_body_bytes
     app.state.keyring = keyring or Keyring()  # none: an open API
+    app.state.buckets = buckets or MemoryBuckets()  # the tenants' rate limits
     app.state.record_response = record_response
     app.add_middleware(BodySizeLimit)
     app.add_middleware(RequestRecorder)  # outermost: it sees the 413s too

@@ -50,6 +50,7 @@ class Caller:
     tenant: str
     owner: str
     models: frozenset[str] | None = None
+    requests_per_minute: int | None = None  # None: no limit
 
     def may_use(self, model_id: str) -> bool:
         return self.models is None or model_id in self.models
@@ -65,6 +66,7 @@ class Tenant(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     keys: list[str] = Field(min_length=1, description="plain keys, or sha256:<64 hex>")
     models: list[str] | None = Field(None, min_length=1, description="all when absent")
+    requests_per_minute: int | None = Field(None, gt=0, description="no limit when absent")
 
     @field_validator("keys")
     @classmethod
@@ -225,7 +227,9 @@ class Keyring:
         if self._tenants_file is not None:
             for tenant in load_tenants(self._tenants_file, self._model_ids):
                 models = frozenset(tenant.models) if tenant.models else None
-                caller = Caller(tenant.name, owner=f"tenant:{tenant.name}", models=models)
+                caller = Caller(
+                    tenant.name, f"tenant:{tenant.name}", models, tenant.requests_per_minute
+                )
                 for key_digest in tenant.digests():
                     if key_digest in callers:
                         raise TenantsFileError(

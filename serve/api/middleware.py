@@ -11,7 +11,8 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.api.errors import TooLarge, error_response
+from serve.api.errors import TooLarge, error_response, route_path, speaks_anthropic
+from serve.api.limits import quota_headers
 
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 
@@ -77,16 +78,19 @@ async def _no_receive() -> Message:
 class RequestRecorder:
     """Calls ``app.state.record_response(scope, status, seconds)`` once a response's
     last byte is out or the client left (status 499, as nginx logs it); routes put
-    the request's model in ``request.state.model``."""
+    the request's model in ``request.state.model``. At the response's start it adds
+    the rate-limit headers of the tenant's limit the request was held to
+    (``request.state.quota``): one wrapper of ``send`` for both, since every chunk of
+    a stream goes through it."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        record = getattr(scope["app"].state, "record_response", None) if "app" in scope else None
-        if scope["type"] != "http" or record is None:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        record = getattr(scope["app"].state, "record_response", None) if "app" in scope else None
         start = time.monotonic()
         status = 500  # what the client sees if the app fails before answering
 
@@ -94,6 +98,11 @@ class RequestRecorder:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                quota = scope.get("state", {}).get("quota")
+                if quota is not None:
+                    anthropic = speaks_anthropic(route_path(scope))
+                    headers = [*message.get("headers", []), *quota_headers(quota, anthropic)]
+                    message = {**message, "headers": headers}
             await send(message)
 
         try:
@@ -102,4 +111,5 @@ class RequestRecorder:
             status = 499
             raise
         finally:
-            record(scope, status, time.monotonic() - start)
+            if record is not None:
+                record(scope, status, time.monotonic() - start)

@@ -34,11 +34,12 @@ from serve.api.backend import Embeddings
 from serve.api.chat_template import render_chat_prompt
 from serve.api.errors import APIError, InternalError, NotFound, Overloaded
 from serve.api.http import create_app
+from serve.api.limits import Buckets, MemoryBuckets, RedisBuckets
 from serve.api.response_store import ResponseStore
 from serve.api.sampling import SamplingDefaults
 from serve.api.token_texts import TokenTexts
-from serve.config import AppConfig, ModelConfig
-from serve.deployments.response_store import open_response_store
+from serve.config import AppConfig, ModelConfig, RateLimitsConfig
+from serve.deployments.response_store import open_response_store, redis_url
 from serve.generation import GenerateParams, GenerationChunk, GenerationError, coalesce
 from serve.metrics import MetricsPublisher, RequestMetrics, replica_labels
 from serve.migration import CannotResume, Resumable
@@ -139,6 +140,14 @@ def _serves_engine_extensions(model: ModelConfig) -> bool:
     return repository.serves_engine_extensions(repo, model.engine_model())
 
 
+def open_buckets(config: RateLimitsConfig) -> Buckets:
+    """The store of the tenants' rate limits ``config`` names (serve/api/limits.py)."""
+    if config.store == "redis":
+        url = redis_url(config, section="rate_limits")
+        return RedisBuckets(url, config.key_prefix, config.on_store_error == "open")
+    return MemoryBuckets()
+
+
 class ApiBackend:
     """:class:`serve.api.backend.Backend` for the routes, all but how a request reaches a
     Triton: over Serve's DeploymentHandles (:class:`OpenAIIngress`), or to the Triton
@@ -181,6 +190,7 @@ class ApiBackend:
             m.id: AdapterCatalog(m.lora.adapters_url()) for m in config.models if m.lora
         }
         self._keyring = app_keyring(config.api_keys, [m.id for m in config.models])
+        self._buckets = open_buckets(config.rate_limits)
         log.info("API keys %s", "not configured (open API)" if self._keyring.open else "required")
 
     async def _metrics_text(self) -> str:
@@ -188,7 +198,7 @@ class ApiBackend:
         return self.metrics.text()
 
     def __serve_build_asgi_app__(self):
-        return create_app(self, self._keyring, self._record_response)
+        return create_app(self, self._keyring, self._record_response, self._buckets)
 
     def _record_response(self, scope, status: int, seconds: float) -> None:
         # The route's template, not the raw path: unknown paths must not mint labels.

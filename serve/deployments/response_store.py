@@ -27,7 +27,7 @@ from serve.api.response_store import (
     ResponseStore,
     to_json,
 )
-from serve.config import ResponsesConfig
+from serve.config import RateLimitsConfig, ResponsesConfig
 
 log = logging.getLogger("ray.serve")
 
@@ -99,14 +99,19 @@ def open_response_store(
     return None
 
 
-def redis_url(config: ResponsesConfig, environ: Mapping[str, str] = os.environ) -> str:
-    """``redis_url``, or the value of the variable ``redis_url_env`` names."""
+def redis_url(
+    config: ResponsesConfig | RateLimitsConfig,
+    environ: Mapping[str, str] = os.environ,
+    section: str = "responses",
+) -> str:
+    """``redis_url``, or the value of the variable ``redis_url_env`` names (of the
+    config's ``section``: responses, rate_limits)."""
     if config.redis_url:
         return config.redis_url
     url = environ.get(config.redis_url_env or "", "")
     if not url:
         raise ValueError(
-            f"responses.redis_url_env names {config.redis_url_env}, which is unset or empty "
+            f"{section}.redis_url_env names {config.redis_url_env}, which is unset or empty "
             "in the ingress's environment: set it (runtime_env env_vars, or the environment "
             "of `ray start`) to the Redis URL, e.g. redis://:password@host:6379/0"
         )

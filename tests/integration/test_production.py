@@ -13,6 +13,7 @@ import re
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,13 +23,20 @@ import pytest
 
 from tests.fuzzing import server_errors
 from tests.grafana import queried_metrics
-from tests.integration.cluster import child_pids, cmdline, process_name, serve_config
+from tests.integration.cluster import (
+    RedisServer,
+    child_pids,
+    cmdline,
+    process_name,
+    serve_config,
+)
 from tests.integration.repositories import repository_with_limits
 from tritonllm import contract
 
 pytestmark = pytest.mark.integration
 MODEL = "tritonllm-default"
-# Two named tenants (docs/operations.md#tenants), b limited to the one model.
+# Named tenants (docs/operations.md#tenants): b limited to the one model, c to 20
+# requests a minute.
 TENANTS = """
 tenants:
   - name: a
@@ -36,6 +44,9 @@ tenants:
   - name: b
     keys: [tenant-b-1]
     models: [tritonllm-default]
+  - name: c
+    keys: [tenant-c-1]
+    requests_per_minute: 20
 """
 TRITON = f"Triton-{MODEL}"
 
@@ -472,7 +483,17 @@ def bearer(key: str) -> dict:
 
 
 def test_api_keys_tenants_and_a_fuzzed_api(cluster, built_repository, tmp_path):
+    """Two ingress replicas, the tenants' limits in a real Redis that both share."""
     import schemathesis
+
+    redis = RedisServer().start()
+    try:
+        keyed_app(cluster, built_repository, tmp_path, redis, schemathesis)
+    finally:
+        redis.stop()
+
+
+def keyed_app(cluster, built_repository, tmp_path, redis, schemathesis) -> None:
 
     keys = tmp_path / "keys"
     keys.write_text("key-for-tests\n")
@@ -484,11 +505,10 @@ def test_api_keys_tenants_and_a_fuzzed_api(cluster, built_repository, tmp_path):
         default_max_tokens=4,
         deployment={"autoscaling_config": None},
     )
-    config["applications"][0]["args"]["api_keys"] = {
-        "env": None,
-        "file": str(keys),
-        "tenants_file": str(tenants),
-    }
+    args = config["applications"][0]["args"]
+    args["api_keys"] = {"env": None, "file": str(keys), "tenants_file": str(tenants)}
+    args["rate_limits"] = {"store": "redis", "redis_url": f"redis://{redis.address}/0"}
+    args["ingress"] = {"num_replicas": 2}
     cluster.deploy(config)
     cluster.wait_running()
     anonymous = httpx.get(f"{cluster.url}/v1/models", timeout=30)
@@ -508,6 +528,18 @@ def test_api_keys_tenants_and_a_fuzzed_api(cluster, built_repository, tmp_path):
         refused = httpx.post(f"{cluster.url}/v1/responses", json=chained, headers=other, timeout=60)
         assert refused.status_code == 404, refused.text
     assert httpx.get(url, headers=a2, timeout=30).json() == stored.json()
+
+    # Tenant c's 20 requests a minute hold across both ingress replicas (one bucket in
+    # Redis); a refill of one request takes 3 s, so a quick burst of 30 gets 20 or 21.
+    c1 = bearer("tenant-c-1")
+    burst = [httpx.get(f"{cluster.url}/v1/models", headers=c1, timeout=30) for _ in range(30)]
+    statuses = Counter(r.status_code for r in burst)
+    assert set(statuses) == {200, 429} and 20 <= statuses[200] <= 21, statuses
+    refused = next(r for r in burst if r.status_code == 429)
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert burst[0].headers["x-ratelimit-limit-requests"] == "20"
+    time.sleep(int(refused.headers["retry-after"]))
+    assert httpx.get(f"{cluster.url}/v1/models", headers=c1, timeout=30).status_code == 200
 
     # A key added to the tenants file lets its caller in, one removed no longer does.
     # (Within 10 s on every ingress replica: each reads the file every 2 s at most.)
