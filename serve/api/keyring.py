@@ -175,7 +175,7 @@ class Keyring:
         self._callers: dict[str, Caller] = {}
         self._checked_at = clock()
         self._stamps = self._file_stamps()
-        self._load()  # a file that is missing or wrong: raised here, at deploy
+        self._callers = self._read()  # a file that is missing or wrong: raised here
 
     @property
     def open(self) -> bool:
@@ -201,11 +201,17 @@ class Keyring:
             return
         self._stamps = stamps  # a file gone wrong is reported once per change
         try:
-            self._load()
+            callers = self._read()
         except (OSError, TenantsFileError) as error:
             log.error("API keys: kept the keys loaded before: %s", error)
-        else:
-            log.info("API keys reloaded: %d keys", len(self._callers))
+            return
+        if self._callers and not callers:
+            # An API with keys never turns open on its own (a file emptied, or caught
+            # between its truncation and its write): only a restart opens it.
+            log.error("API keys: kept the keys loaded before: the files now hold none")
+            return
+        self._callers = callers
+        log.info("API keys reloaded: %d keys", len(callers))
 
     def _file_stamps(self) -> tuple:
         """The files' bytes (None for one missing): small files, read every RELOAD_S
@@ -219,7 +225,7 @@ class Keyring:
                 stamps.append(None)
         return tuple(stamps)
 
-    def _load(self) -> None:
+    def _read(self) -> dict[str, Caller]:
         callers = {d: Caller(DEFAULT_TENANT, owner=d) for d in self._plain}
         if self._keys_file is not None:
             for key in read_keys_file(self._keys_file):
@@ -237,7 +243,7 @@ class Keyring:
                             "api_keys.env or api_keys.file (a key names one tenant)"
                         )
                     callers[key_digest] = caller
-        self._callers = callers
+        return callers
 
 
 def read_keys_file(path: Path) -> list[str]:

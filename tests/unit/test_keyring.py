@@ -129,6 +129,17 @@ def test_changed_files_take_effect_and_a_broken_one_keeps_the_keys_before(tmp_pa
     assert keyring.caller("a1").tenant == "a"  # a file gone keeps the keys too
 
 
+def test_an_api_with_keys_never_turns_open_on_a_reload(tmp_path, caplog):
+    clock = Clock()
+    keys = write(tmp_path / "keys", "only\n")
+    keyring = Keyring(keys_file=keys, clock=clock)
+    keys.write_text("")  # emptied, or caught between its truncation and its write
+    clock.now += RELOAD_S
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        assert not keyring.open and keyring.caller("anything") is None
+    assert keyring.caller("only") is not None and "hold none" in caplog.text
+
+
 def test_the_module_prints_a_key_s_sha256_form():
     done = subprocess.run(
         [sys.executable, "-m", "serve.api.keyring"],
