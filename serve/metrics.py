@@ -109,6 +109,13 @@ class RequestMetrics:
             ("model", "route", "status"),
             registry=registry,
         )
+        self.tenant_requests = Counter(
+            "tritonllm_tenant_requests",
+            "HTTP requests an API key let in, by its tenant (a named one, or default for "
+            "the plain keys) and status code (429: past its rate limit)",
+            ("tenant", "status"),
+            registry=registry,
+        )
         self.running = Gauge(
             "tritonllm_requests_running",
             "generations that have streamed their first text and not ended",
@@ -171,8 +178,14 @@ class RequestMetrics:
             found = self._models[model] = ModelMetrics(self, model)
         return found
 
-    def response(self, model: str, route: str, status: int, seconds: float) -> None:
+    def response(
+        self, model: str, route: str, status: int, seconds: float, tenant: str | None = None
+    ) -> None:
+        """``tenant``: that of the key that let the request in (None: no key needed,
+        or none let it in)."""
         self.requests.labels(model, route, str(status)).inc()
+        if tenant is not None:
+            self.tenant_requests.labels(tenant, str(status)).inc()
         if model:
             self.e2e_latency.labels(model).observe(seconds)
 

@@ -203,7 +203,9 @@ class ApiBackend:
     def _record_response(self, scope, status: int, seconds: float) -> None:
         # The route's template, not the raw path: unknown paths must not mint labels.
         route = getattr(scope.get("route"), "path", "unmatched")
-        self.metrics.response(scope.get("state", {}).get("model", ""), route, status, seconds)
+        state = scope.get("state", {})
+        tenant = getattr(state.get("caller"), "tenant", None)  # tenants: a configured few
+        self.metrics.response(state.get("model", ""), route, status, seconds, tenant)
 
     def chat_prompt(
         self, model: ModelConfig, messages: list[dict], tools: list[dict] | None = None

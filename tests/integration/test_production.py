@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fuzzing import server_errors
 from tests.grafana import queried_metrics
@@ -540,6 +541,18 @@ def keyed_app(cluster, built_repository, tmp_path, redis, schemathesis) -> None:
     assert burst[0].headers["x-ratelimit-limit-requests"] == "20"
     time.sleep(int(refused.headers["retry-after"]))
     assert httpx.get(f"{cluster.url}/v1/models", headers=c1, timeout=30).status_code == 200
+
+    def tenant_c_counted() -> bool:  # both replicas' figures, once they have pushed them
+        text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
+        counted = Counter()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "tritonllm_tenant_requests_total":
+                    if sample.labels["tenant"] == "c":
+                        counted[sample.labels["status"]] += sample.value
+        return counted == {"200": statuses[200] + 1, "429": statuses[429]}
+
+    wait_for(tenant_c_counted, 30, "tenant c's requests and 429s in /metrics")
 
     # A key added to the tenants file lets its caller in, one removed no longer does.
     # (Within 10 s on every ingress replica: each reads the file every 2 s at most.)

@@ -122,7 +122,15 @@ def test_the_ingress_figures_follow_a_generation_and_keep_their_types():
     metrics.model("other").started()
     metrics.model("other").ended(had_text=False)  # failed before any text
     metrics.response("llm", "/v1/completions", 200, 0.4)
+    metrics.response("", "/v1/completions", 429, 0.001, tenant="batch")  # refused first
+    metrics.response("", "/v1/models", 200, 0.001, tenant="batch")
     text = metrics.text()
+    by_tenant = {
+        (s.labels["tenant"], s.labels["status"]): s.value
+        for s in families(text)["tritonllm_tenant_requests"].samples
+        if s.name == "tritonllm_tenant_requests_total"
+    }
+    assert by_tenant == {("batch", "429"): 1, ("batch", "200"): 1}  # none without a key
     assert "_created" not in text
     found = families(text)
     assert found["tritonllm_requests"].type == "counter"
