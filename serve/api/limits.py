@@ -15,6 +15,7 @@ it). A Redis that cannot be reached lets requests in or refuses them (503), as
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ class RateLimited(APIError):
 
     def headers(self) -> dict[str, str]:
         # Whole seconds, rounded up: a client that waits that long gets in.
-        return {"retry-after": str(max(1, -int(-self.quota.retry_after_s // 1)))}
+        return {"retry-after": str(max(1, math.ceil(self.quota.retry_after_s)))}
 
 
 class Buckets(Protocol):
