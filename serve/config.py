@@ -385,7 +385,25 @@ class APIKeys(_Strict):
     )
 
 
-class ResponsesConfig(_Strict):
+class _InRedis(_Strict):
+    """A store that may be a Redis (``store: redis``): exactly one of its URL and the
+    environment variable that holds it."""
+
+    redis_url: str | None = Field(None, description="redis: the URL, e.g. redis://host:6379/0")
+    redis_url_env: str | None = Field(
+        None,
+        description="redis: an environment variable of the ingress holding the URL "
+        "(a password stays out of the Serve config)",
+    )
+
+    @model_validator(mode="after")
+    def _one_redis_url(self):
+        if self.store == "redis" and (self.redis_url is None) == (self.redis_url_env is None):
+            raise ValueError("store: redis needs exactly one of redis_url and redis_url_env")
+        return self
+
+
+class ResponsesConfig(_InRedis):
     """Where the Responses API keeps the responses clients ask it to store (``store:
     true``) for ``previous_response_id`` and ``GET`` / ``DELETE /v1/responses/{id}``."""
 
@@ -400,28 +418,16 @@ class ResponsesConfig(_Strict):
     max_memory_mb: float = Field(
         256, gt=0, description="memory store: the responses' JSON, least recently used out first"
     )
-    redis_url: str | None = Field(None, description="redis: the URL, e.g. redis://host:6379/0")
-    redis_url_env: str | None = Field(
-        None,
-        description="redis: an environment variable of the ingress holding the URL "
-        "(a password stays out of the Serve config)",
-    )
     key_prefix: str = Field(
         "tritonllm:responses:",
         description="redis: each key's prefix (apart from Ray's keys in a shared Redis)",
     )
 
-    @model_validator(mode="after")
-    def _one_redis_url(self) -> ResponsesConfig:
-        if self.store == "redis" and (self.redis_url is None) == (self.redis_url_env is None):
-            raise ValueError("store: redis needs exactly one of redis_url and redis_url_env")
-        return self
-
     def max_memory_bytes(self) -> int:
         return int(self.max_memory_mb * (1 << 20))
 
 
-class RateLimitsConfig(_Strict):
+class RateLimitsConfig(_InRedis):
     """Where the tenants' rate limits (``requests_per_minute`` in the tenants file)
     keep their counts."""
 
@@ -430,22 +436,12 @@ class RateLimitsConfig(_Strict):
         description="memory: each ingress replica counts alone (holds for one ingress "
         "replica); redis: one count per tenant across every replica",
     )
-    redis_url: str | None = Field(None, description="redis: the URL, e.g. redis://host:6379/0")
-    redis_url_env: str | None = Field(
-        None, description="redis: an environment variable of the ingress holding the URL"
-    )
     key_prefix: str = Field("tritonllm:limits:", description="redis: each key's prefix")
     on_store_error: Literal["open", "closed"] = Field(
         "open",
         description="redis unreachable: open lets requests in unlimited, closed refuses "
         "them with a 503",
     )
-
-    @model_validator(mode="after")
-    def _one_redis_url(self) -> RateLimitsConfig:
-        if self.store == "redis" and (self.redis_url is None) == (self.redis_url_env is None):
-            raise ValueError("store: redis needs exactly one of redis_url and redis_url_env")
-        return self
 
 
 class IngressOptions(_Strict):

@@ -28,7 +28,13 @@ def app_keyring(api_keys: APIKeys, model_ids: list[str] | None = None) -> Keyrin
     file that is missing or wrong raises, so the replica does not start; its tenants
     may name only ``model_ids`` (None: not checked)."""
     plain = os.environ.get(api_keys.env, "").split(",") if api_keys.env else []
-    return Keyring(plain, api_keys.file, api_keys.tenants_file, model_ids)
+    try:
+        return Keyring(plain, api_keys.file, api_keys.tenants_file, model_ids)
+    except OSError as error:
+        raise ValueError(
+            f"api_keys: cannot read {error.filename}: {error.strerror} (api_keys.file "
+            "and api_keys.tenants_file must be on every node that runs an ingress replica)"
+        ) from None
 
 
 def caller(request: Request) -> Caller:
@@ -44,10 +50,6 @@ def key_owner(request: Request) -> str:
     return caller(request).owner
 
 
-def _keyring(request: Request) -> Keyring:
-    return getattr(request.app.state, "keyring", None) or Keyring()
-
-
 def _bearer(authorization: str | None) -> str | None:
     scheme, _, given = (authorization or "").partition(" ")
     return given if scheme.lower() == "bearer" and given.strip() else None
@@ -55,7 +57,7 @@ def _bearer(authorization: str | None) -> str | None:
 
 async def require_api_key(request: Request) -> None:
     """FastAPI dependency: 401 unless the Bearer key is one of the keyring's."""
-    keyring = _keyring(request)
+    keyring: Keyring = request.app.state.keyring
     if keyring.open:
         return
     given = _bearer(request.headers.get("authorization"))
@@ -72,7 +74,7 @@ async def require_messages_api_key(request: Request) -> None:
     """The Messages API's dependency: Anthropic's clients send ``x-api-key``; a Bearer
     key (OpenAI's way, and Anthropic's SDK's ``auth_token``) is taken too. Either header
     holding a key lets the request in."""
-    keyring = _keyring(request)
+    keyring: Keyring = request.app.state.keyring
     if keyring.open:
         return
     given = [request.headers.get("x-api-key"), _bearer(request.headers.get("authorization"))]

@@ -69,16 +69,17 @@ class Buckets(Protocol):
         ``retry_after_s`` is 0 when it was let in."""
 
 
-def _take(tokens: float, per_minute: int) -> tuple[float, Quota]:
-    """The bucket after one request is taken (if one is there), and what it says."""
-    rate = per_minute / 60.0
+def _take(tokens: float, per_minute: int) -> tuple[float, float]:
+    """The bucket after one request is taken (if one is there), and the retry-after
+    (0: taken). The Lua script below does the same in Redis."""
     if tokens >= 1.0:
-        tokens -= 1.0
-        retry = 0.0
-    else:
-        retry = (1.0 - tokens) / rate
-    quota = Quota(per_minute, int(tokens), (per_minute - tokens) / rate, retry)
-    return tokens, quota
+        return tokens - 1.0, 0.0
+    return tokens, (1.0 - tokens) * 60.0 / per_minute
+
+
+def _quota(tokens: float, per_minute: int, retry_after_s: float) -> Quota:
+    """What a bucket holding ``tokens`` after a take says."""
+    return Quota(per_minute, int(tokens), (per_minute - tokens) * 60.0 / per_minute, retry_after_s)
 
 
 class MemoryBuckets:
@@ -92,9 +93,9 @@ class MemoryBuckets:
         now = self._clock()
         tokens, at = self._buckets.get(name, (float(per_minute), now))
         tokens = min(float(per_minute), tokens + (now - at) * per_minute / 60.0)
-        tokens, quota = _take(tokens, per_minute)
+        tokens, retry = _take(tokens, per_minute)
         self._buckets[name] = (tokens, now)
-        return quota
+        return _quota(tokens, per_minute, retry)
 
 
 # KEYS[1]: the bucket; ARGV[1]: requests per minute. The bucket's tokens and time live
@@ -140,9 +141,7 @@ class RedisBuckets:
             tokens, retry = await self._script(keys=[self.key_prefix + name], args=[per_minute])
         except self._unreachable as error:
             return self._unlimited(per_minute, error)
-        tokens, retry = float(tokens), float(retry)
-        reset = (per_minute - tokens) * 60.0 / per_minute
-        return Quota(per_minute, int(tokens), reset, retry)
+        return _quota(float(tokens), per_minute, float(retry))
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -70,9 +70,9 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def _cards(backend: Backend, request: Request) -> list[ModelCard]:
     """Every id the caller may send: the models (those of its tenant), variants, and
     the adapters found now."""
-    cards = []
+    cards, allowed = [], caller(request).may_use
     for model in backend.config.models:
-        if not caller(request).may_use(model.id):
+        if not allowed(model.id):
             continue
         cards += [ModelCard.of(i) for i in model.served_ids()]
         if model.lora:

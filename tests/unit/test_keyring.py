@@ -150,3 +150,13 @@ def test_the_module_prints_a_key_s_sha256_form():
         check=True,
     )
     assert done.stdout.strip() == f"sha256:{digest('my-key')}"
+
+
+def test_a_keys_file_the_replica_cannot_read_names_the_field_and_what_to_do(tmp_path):
+    from serve.api.auth import app_keyring
+    from serve.config import APIKeys
+
+    missing = tmp_path / "tenants.yaml"
+    with pytest.raises(ValueError, match="api_keys: cannot read .*tenants.yaml") as refused:
+        app_keyring(APIKeys(env=None, tenants_file=missing))
+    assert "every node that runs an ingress replica" in str(refused.value)
