@@ -95,6 +95,7 @@ class RayCluster:
         self.env[LOG_DIR_ENV] = str(self.triton_log_dir)
         self.env |= env or {}
         self.nodes: list[RayNode] = []
+        self._deployed_at = 0.0
         self.node_ip = node_ip
         self._node_ip = [f"--node-ip-address={node_ip}"] if node_ip else []
 
@@ -195,6 +196,7 @@ class RayCluster:
             config["http_options"]["host"] = self.node_ip
         path = self.temp_dir / f"serve-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(config))
+        self._deployed_at = time.time()  # wall clock, as Serve's replica start times
         result = subprocess.run(
             [str(BIN / "serve"), "deploy", str(path), "--address", self.dashboard],
             cwd=ROOT,
@@ -221,8 +223,13 @@ class RayCluster:
         replicas = self.deployment(app, name)["replicas"]
         return [r for r in replicas if r["state"] == "RUNNING"]
 
-    def wait_running(self, app: str = "llm", timeout_s: float = 240) -> dict:
-        """Until the application is RUNNING; raises with Serve's message on failure."""
+    def wait_running(self, app: str = "llm", timeout_s: float = 240, settled: bool = False) -> dict:
+        """Until the application serves its latest config; raises with Serve's message
+        on failure. A replaced ingress replica stays reachable 30 s after its successor
+        runs (Ray's RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, for load balancers
+        outside Serve), and Serve reads the app RUNNING only once it has stopped: the
+        tests go on meanwhile (Serve's own HAProxy no longer sends it requests) unless
+        ``settled`` asks for the app RUNNING."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             details = self.applications().get(app)
@@ -230,8 +237,33 @@ class RayCluster:
                 return details
             if details and details["status"] == "DEPLOY_FAILED":
                 raise AssertionError(f"{app} failed to deploy: {details['message']}")
+            if details and not settled and self._only_draining(details):
+                return details
             time.sleep(1)
         raise AssertionError(f"{app} not running after {timeout_s} s: {self.applications()}")
+
+    def _only_draining(self, details: dict) -> bool:
+        """Whether what keeps a deploying app from RUNNING is only replicas of the
+        config before that are stopping: every deployment has its target of replicas
+        running, all started since the last deploy where it has any stopping."""
+        deployments = details["deployments"].values()
+        if details["status"] != "DEPLOYING" or not deployments:
+            return False  # {} while the app's new config is built
+        replaced = False
+        for deployment in deployments:
+            replicas = deployment["replicas"]
+            if deployment["status"] == "HEALTHY" and all(r["state"] == "RUNNING" for r in replicas):
+                continue
+            running = [
+                r
+                for r in replicas
+                if r["state"] == "RUNNING" and r["start_time_s"] >= self._deployed_at
+            ]
+            others = [r for r in replicas if r["state"] not in ("RUNNING", "STOPPING")]
+            if others or len(running) != deployment["target_num_replicas"]:
+                return False
+            replaced = True
+        return replaced
 
     def kill_gcs(self) -> None:
         """The head's GCS fails (SIGKILL); :meth:`restart_gcs` starts it again as Ray

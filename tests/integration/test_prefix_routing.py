@@ -67,7 +67,7 @@ def served_by(urls: list[str], before: list[tuple[float, float]]) -> int:
 def test_each_conversation_stays_on_the_replica_holding_its_prefix(cluster, built_repository):
     deployment = {"autoscaling_config": None, "num_replicas": 2}
     cluster.deploy(serve_config(built_repository, routing="prefix_aware", deployment=deployment))
-    cluster.wait_running()
+    cluster.wait_running(settled=True)
     replicas = cluster.running_replicas("llm", "Triton-tritonllm-default")
     urls = [triton_http_url(r, port="metrics") for r in replicas]
     assert len(urls) == 2
@@ -113,7 +113,7 @@ def test_a_busy_or_lost_replica_gives_way_to_the_other(cluster, checkpoint_dir, 
         "health_check_timeout_s": 10,
     }
     cluster.deploy(serve_config(repository, routing="prefix_aware", deployment=deployment))
-    cluster.wait_running()
+    cluster.wait_running(settled=True)
     replicas = cluster.running_replicas("llm", "Triton-tritonllm-default")
     urls = [triton_http_url(r, port="metrics") for r in replicas]
     prompt = OPENINGS[0] + " Question 0: where did they go next?"
@@ -193,7 +193,7 @@ def test_autoscaling_adds_a_replica_that_takes_conversations_and_scales_in_losin
     that leaves takes no request with it (the router drops it from its tree)."""
     deployment = {"autoscaling_config": QUICK_SCALING}
     cluster.deploy(serve_config(built_repository, routing="prefix_aware", deployment=deployment))
-    cluster.wait_running()
+    cluster.wait_running(settled=True)
     assert len(cluster.running_replicas("llm", TRITON)) == 1
     with Conversations(cluster.url, clients=1, first=0) as light:
         with Conversations(cluster.url, clients=5, first=1000) as heavy:
