@@ -116,6 +116,13 @@ class RequestMetrics:
             ("tenant", "status"),
             registry=registry,
         )
+        self.tenant_tokens = Counter(
+            "tritonllm_tenant_tokens",
+            "tokens of the generations and embeddings an API key asked for, by its tenant "
+            "and kind (prompt, completion; the engines' own counts)",
+            ("tenant", "kind"),
+            registry=registry,
+        )
         self.running = Gauge(
             "tritonllm_requests_running",
             "generations that have streamed their first text and not ended",

@@ -91,13 +91,14 @@ async def require_messages_api_key(request: Request) -> None:
 
 async def _admit(request: Request) -> None:
     """Holds the caller's tenant to its requests per minute: 429 past it; the quota
-    goes in ``request.state.quota`` for the headers of the answer, 429s included."""
+    goes in ``request.state.quotas`` for the headers of the answer, 429s included (its
+    tokens per minute are held where a request reaches an engine: serve/api/metered.py)."""
     tenant = caller(request)
     buckets = getattr(request.app.state, "buckets", None)
     if tenant.requests_per_minute is None or buckets is None:
         return
     quota = await buckets.take(f"{tenant.tenant}:requests", tenant.requests_per_minute)
-    request.state.quota = quota
+    request.state.quotas = [quota]
     if not quota.allowed:
         raise RateLimited(tenant.tenant, quota)
 

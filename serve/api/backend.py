@@ -69,6 +69,10 @@ class Backend(Protocol):
     async def embed(self, model: ModelConfig, texts: list[str]) -> Embeddings:
         """One vector per text."""
 
+    def count_tenant_tokens(self, tenant: str, prompt: int, completion: int) -> None:
+        """Counts the tokens of one generation (or embeddings call) of a keyed request
+        for its tenant (``/metrics``)."""
+
     async def not_ready(self) -> dict[str, str]:
         """The configured models that cannot answer now, each with the reason; empty
         when every model has a replica whose Triton reports it ready (``GET /health``)."""

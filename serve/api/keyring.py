@@ -51,6 +51,7 @@ class Caller:
     owner: str
     models: frozenset[str] | None = None
     requests_per_minute: int | None = None  # None: no limit
+    tokens_per_minute: int | None = None  # prompt + max_tokens reserved, then settled
 
     def may_use(self, model_id: str) -> bool:
         return self.models is None or model_id in self.models
@@ -67,6 +68,9 @@ class Tenant(BaseModel):
     keys: list[str] = Field(min_length=1, description="plain keys, or sha256:<64 hex>")
     models: list[str] | None = Field(None, min_length=1, description="all when absent")
     requests_per_minute: int | None = Field(None, gt=0, description="no limit when absent")
+    tokens_per_minute: int | None = Field(
+        None, gt=0, description="prompt and answer tokens; no limit when absent"
+    )
 
     @field_validator("keys")
     @classmethod
@@ -234,7 +238,11 @@ class Keyring:
             for tenant in load_tenants(self._tenants_file, self._model_ids):
                 models = frozenset(tenant.models) if tenant.models else None
                 caller = Caller(
-                    tenant.name, f"tenant:{tenant.name}", models, tenant.requests_per_minute
+                    tenant.name,
+                    f"tenant:{tenant.name}",
+                    models,
+                    tenant.requests_per_minute,
+                    tenant.tokens_per_minute,
                 )
                 for key_digest in tenant.digests():
                     if key_digest in callers:

@@ -80,7 +80,7 @@ class RequestRecorder:
     last byte is out or the client left (status 499, as nginx logs it); routes put
     the request's model in ``request.state.model``. At the response's start it adds
     the rate-limit headers of the tenant's limit the request was held to
-    (``request.state.quota``): one wrapper of ``send`` for both, since every chunk of
+    (``request.state.quotas``): one wrapper of ``send`` for both, since every chunk of
     a stream goes through it."""
 
     def __init__(self, app: ASGIApp):
@@ -98,10 +98,10 @@ class RequestRecorder:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                quota = scope.get("state", {}).get("quota")
-                if quota is not None:
+                quotas = scope.get("state", {}).get("quotas")
+                if quotas:
                     anthropic = speaks_anthropic(route_path(scope))
-                    headers = [*message.get("headers", []), *quota_headers(quota, anthropic)]
+                    headers = [*message.get("headers", []), *quota_headers(quotas, anthropic)]
                     message = {**message, "headers": headers}
             await send(message)
 

@@ -28,13 +28,25 @@ async def health(request: Request):
     """200 once every configured model has a running replica (whose Triton reported
     the model ready and passes Serve's health checks), else 503 (an OpenAI error
     object) naming the models that are not. Serve's own ``/-/healthz`` says only that
-    the proxy is up."""
+    the proxy is up. A rate limits' store that cannot be reached is said in the 200,
+    or is a 503 where it refuses requests (``on_store_error: closed``)."""
     backend = request.app.state.backend
     waiting = await backend.not_ready()
     if waiting:
         reasons = "; ".join(f"{model}: {reason}" for model, reason in sorted(waiting.items()))
         raise NotReady(f"not ready: {reasons}", param="model", code="model_not_ready")
-    return {"status": "ready", "models": [m.id for m in backend.config.models]}
+    ready = {"status": "ready", "models": [m.id for m in backend.config.models]}
+    buckets = request.app.state.buckets
+    if not await buckets.reachable_now():
+        # Closed: every request under a limit is a 503 now, so the replica is not ready.
+        if not buckets.fail_open:
+            raise NotReady(
+                "not ready: the rate limits' store (Redis) cannot be reached, and "
+                "rate_limits.on_store_error is closed",
+                code="rate_limits_unavailable",
+            )
+        ready["rate_limits"] = "the store (Redis) cannot be reached: requests are not limited"
+    return ready
 
 
 @operations_router.get("/metrics", dependencies=[Depends(require_api_key)])

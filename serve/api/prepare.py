@@ -19,6 +19,7 @@ from fastapi import Depends, Request
 from serve.api.auth import caller
 from serve.api.backend import Backend
 from serve.api.errors import APIError, NotFound
+from serve.api.metered import MeteredBackend
 from serve.api.schemas import MAX_CHOICES, ChatCompletionRequest, SamplingFields
 from serve.api.structured import Guide, tool_guide
 from serve.api.tool_parsers import SYNTAXES, CallSyntax
@@ -27,9 +28,16 @@ from serve.generation import GenerateParams
 
 
 async def _backend(request: Request) -> Backend:
+    """The app's backend, as the caller's tenant sees it: its tokens counted, and held to
+    its tokens per minute where it has that limit (serve/api/metered.py). An open API's
+    requests have no tenant to count for."""
     # async: FastAPI runs a plain function dependency in its thread pool, a thread
-    # hop per request (14% of the ingress's CPU under load, py-spy).
-    return request.app.state.backend
+    # hop per request.
+    backend = request.app.state.backend
+    tenant = getattr(request.state, "caller", None)  # set by a key that let it in
+    if tenant is None:
+        return backend
+    return MeteredBackend(backend, request, tenant, request.app.state.buckets)
 
 
 BackendDep = Annotated[Backend, Depends(_backend)]

@@ -207,6 +207,10 @@ class ApiBackend:
         tenant = getattr(state.get("caller"), "tenant", None)  # tenants: a configured few
         self.metrics.response(state.get("model", ""), route, status, seconds, tenant)
 
+    def count_tenant_tokens(self, tenant: str, prompt: int, completion: int) -> None:
+        self.metrics.tenant_tokens.labels(tenant, "prompt").inc(prompt)
+        self.metrics.tenant_tokens.labels(tenant, "completion").inc(completion)
+
     def chat_prompt(
         self, model: ModelConfig, messages: list[dict], tools: list[dict] | None = None
     ) -> str:

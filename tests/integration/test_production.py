@@ -48,6 +48,9 @@ tenants:
   - name: c
     keys: [tenant-c-1]
     requests_per_minute: 20
+  - name: d
+    keys: [tenant-d-1]
+    tokens_per_minute: 120
 """
 TRITON = f"Triton-{MODEL}"
 
@@ -553,6 +556,43 @@ def keyed_app(cluster, built_repository, tmp_path, redis, schemathesis) -> None:
         return counted == {"200": statuses[200] + 1, "429": statuses[429]}
 
     wait_for(tenant_c_counted, 30, "tenant c's requests and 429s in /metrics")
+
+    # Tenant d's 120 tokens a minute hold across both replicas: what its answers used
+    # (the engine's prompt + answer counts) is the bucket and what refilled meanwhile,
+    # within 10% (each request reserves 2 + 8 and settles what it used).
+    d1 = bearer("tenant-d-1")
+    body = {"model": MODEL, "prompt": "The cat", "max_tokens": 8, "ignore_eos": True}
+    started, used, answers = time.monotonic(), 0, []
+    for _ in range(24):
+        answers.append(
+            httpx.post(f"{cluster.url}/v1/completions", json=body, headers=d1, timeout=60)
+        )
+        if answers[-1].status_code == 200:
+            used, ended = used + answers[-1].json()["usage"]["total_tokens"], time.monotonic()
+    allowed = 120 + 2 * (ended - started)
+    assert 0.9 * allowed <= used <= 1.1 * allowed, (
+        used,
+        allowed,
+        Counter(a.status_code for a in answers),
+    )
+    refused = next(a for a in answers if a.status_code == 429)
+    assert refused.json()["error"]["type"] == "tokens"
+    assert answers[0].headers["x-ratelimit-limit-tokens"] == "120"
+    time.sleep(int(refused.headers["retry-after"]))
+    again = httpx.post(f"{cluster.url}/v1/completions", json=body, headers=d1, timeout=60)
+    assert again.status_code == 200, again.text
+    used += again.json()["usage"]["total_tokens"]
+
+    def tenant_d_counted() -> bool:  # the engines' counts, in both replicas' figures
+        text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
+        return used == sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "tritonllm_tenant_tokens_total" and sample.labels["tenant"] == "d"
+        )
+
+    wait_for(tenant_d_counted, 30, "tenant d's tokens in /metrics")
 
     # A key added to the tenants file lets its caller in, one removed no longer does.
     # (Within 10 s on every ingress replica: each reads the file every 2 s at most.)

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from serve.api.errors import Overloaded
-from serve.api.limits import RedisBuckets
+from serve.api.limits import MemoryBuckets, RedisBuckets
 from serve.triton.launcher import free_port
 from tests.integration.cluster import RedisServer
 
@@ -34,6 +34,38 @@ def test_two_replicas_share_one_bucket(redis_url):
     assert [q.allowed for q in taken] == [True] * 30 + [False], taken
     assert taken[0].remaining == 29 and taken[29].remaining == 0
     assert 1.5 < taken[30].retry_after_s <= 2.0  # one request refills in 2 s at 30 a minute
+
+
+def test_tokens_are_taken_settled_and_refused_as_the_memory_store_does(redis_url):
+    """The Lua script and MemoryBuckets: the same figures for one sequence of takes
+    and settlements (a reservation, a give-back, a charge past it, one too large)."""
+
+    async def run(buckets) -> list[tuple]:
+        seen = []
+        for amount, settle in [(60, -50), (80, 30), (200, None), (70, None), (1000, None)]:
+            quota = await buckets.take("tokens", 100, amount, "tokens")
+            seen.append((quota.allowed, quota.remaining, round(quota.retry_after_s, 1)))
+            if settle is not None and quota.allowed:
+                await buckets.settle("tokens", 100, settle)
+        return seen
+
+    async def in_redis():
+        buckets = RedisBuckets(redis_url, "test:tokens:")
+        try:
+            return await run(buckets), buckets.reachable
+        finally:
+            await buckets.close()
+
+    in_memory = asyncio.run(run(MemoryBuckets()))
+    seen, reachable = asyncio.run(in_redis())
+    assert reachable
+    assert [s[:2] for s in seen] == [s[:2] for s in in_memory], (seen, in_memory)
+    # 60 taken, 50 back (90); 80 taken (10), 30 more charged (-20): 200 never fits,
+    # 70 waits for 90 tokens to refill (54 s at 100 a minute), 1000 never fits.
+    assert seen[:2] == [(True, 40, 0.0), (True, 10, 0.0)]
+    assert seen[2][0] is False and seen[2][2] == float("inf")
+    assert seen[3][0] is False and 53 < seen[3][2] <= 54.1
+    assert seen[4][2] == float("inf")
 
 
 @pytest.mark.parametrize("fail_open", [True, False])

@@ -87,6 +87,7 @@ class FakeBackend:
         self.waiting: dict[str, str] = {}  # what not_ready() answers: model id -> reason
         self.alternatives = True  # top-k and prompt log probabilities (not TensorRT-LLM)
         self.response_store = None  # /v1/responses keeps nothing (tests give it a store)
+        self.tenant_tokens: dict[str, list[int]] = {}  # tenant: [prompt, completion]
 
     def chat_prompt(self, model, messages, tools=None):
         return " ".join(m["content"] for m in messages)
@@ -133,6 +134,10 @@ class FakeBackend:
     async def embed(self, model, texts):
         vectors = np.array([[len(t), 1.5, -2.0] for t in texts], dtype=np.float32)
         return Embeddings(vectors, sum(len(t.split()) for t in texts))
+
+    def count_tenant_tokens(self, tenant, prompt, completion):
+        counted = self.tenant_tokens.setdefault(tenant, [0, 0])
+        counted[0], counted[1] = counted[0] + prompt, counted[1] + completion
 
     async def not_ready(self):
         return dict(self.waiting)

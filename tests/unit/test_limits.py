@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 
 from serve.api.http import create_app
 from serve.api.keyring import Keyring
-from serve.api.limits import MemoryBuckets, duration
+from serve.api.limits import MemoryBuckets, RedisBuckets, duration
+from serve.triton.launcher import free_port
 from tests.unit.test_http_api import FakeBackend, error_of
 
 
@@ -112,3 +113,116 @@ def test_the_messages_api_answers_with_anthropic_s_headers_and_error(api):
         sdk.messages.create(**body)
     assert refused.value.body["error"]["type"] == "rate_limit_error"
     assert refused.value.response.headers["retry-after"] == "30"
+
+
+TOKEN_TENANTS = """
+tenants:
+  - name: tok
+    keys: [tok-1]
+    tokens_per_minute: 30
+"""
+
+
+@pytest.fixture
+def token_api(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(textwrap.dedent(TOKEN_TENANTS))
+    keyring = Keyring(tenants_file=path, model_ids=["llm", "emb"])
+    clock = Clock()
+    app = create_app(FakeBackend(), keyring, buckets=MemoryBuckets(clock))
+    return TestClient(app, raise_server_exceptions=False), clock
+
+
+def test_a_request_reserves_prompt_and_max_tokens_and_settles_with_the_engine_s_counts(token_api):
+    client, clock = token_api
+    auth = {"Authorization": "Bearer tok-1"}
+    # "a b c d": 7 characters, 2 tokens at 4 a token, + max_tokens 10 reserved; the
+    # fake engine counts 4 prompt tokens and answers 4: 8 used, 4 given back.
+    body = {"model": "llm", "prompt": "a b c d", "max_tokens": 10}
+    first = client.post("/v1/completions", json=body, headers=auth)
+    assert first.status_code == 200 and first.json()["usage"]["total_tokens"] == 8
+    assert first.headers["x-ratelimit-limit-tokens"] == "30"
+    assert first.headers["x-ratelimit-remaining-tokens"] == "18"
+    streamed = client.post("/v1/completions", json=body | {"stream": True}, headers=auth)
+    assert streamed.status_code == 200 and "[DONE]" in streamed.text
+    assert streamed.headers["x-ratelimit-remaining-tokens"] == "10"  # 30 - 8 - 12
+    # 16 used so far: 2 + 16 do not fit in 14. OpenAI's 429 of type tokens, whose
+    # retry-after, honoured, gets the request in.
+    refused = client.post("/v1/completions", json=body | {"max_tokens": 16}, headers=auth)
+    error = error_of(refused, 429)
+    assert error["type"] == "tokens" and error["code"] == "rate_limit_exceeded"
+    assert "30 tokens per minute" in error["message"] and "asks 18" in error["message"]
+    assert refused.headers["retry-after"] == "8"  # 4 tokens refill in 8 s at 30 a minute
+    clock.now += 8
+    again = client.post("/v1/completions", json=body | {"max_tokens": 16}, headers=auth)
+    assert again.status_code == 200
+
+
+def test_a_request_larger_than_the_minute_is_refused_without_a_retry_after(token_api):
+    client, _ = token_api
+    body = {"model": "llm", "prompt": "a " * 40, "max_tokens": 16}  # 20 + 16 tokens
+    refused = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer tok-1"})
+    error = error_of(refused, 429)
+    assert error["message"].startswith("request too large for tenant 'tok'")
+    assert "retry-after" not in refused.headers
+
+
+def test_chat_choices_embeddings_and_messages_count_against_the_tokens(token_api):
+    client, _ = token_api
+    sdk = openai.OpenAI(
+        base_url="http://testserver/v1", api_key="tok-1", http_client=client, max_retries=0
+    )
+    messages = [{"role": "user", "content": "a b"}]
+    # n=2: two engine requests, each reserving 1 + 10 and using 2 + 2.
+    chat = sdk.chat.completions.with_raw_response.create(
+        model="llm", messages=messages, n=2, max_tokens=10
+    )
+    assert len(chat.parse().choices) == 2 and chat.headers["x-ratelimit-limit-tokens"] == "30"
+    # 15 characters: 4 tokens reserved (30 - 8 - 4), then the 8 the fake engine counts.
+    embedded = sdk.embeddings.with_raw_response.create(model="emb", input=["a b c d e f g h"])
+    assert embedded.headers["x-ratelimit-remaining-tokens"] == "18"
+    claude = anthropic.Anthropic(
+        base_url="http://testserver", api_key="tok-1", http_client=client, max_retries=0
+    )
+    body = {"model": "llm", "max_tokens": 16, "messages": messages}  # 17 > 30 - 16
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        claude.messages.create(**body)
+    assert refused.value.body["error"]["type"] == "rate_limit_error"
+    headers = refused.value.response.headers
+    assert headers["anthropic-ratelimit-tokens-limit"] == "30"
+    assert headers["anthropic-ratelimit-tokens-remaining"] == "14"
+    assert "x-ratelimit-limit-tokens" not in headers
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+def test_health_says_when_the_limits_store_cannot_be_reached(fail_open):
+    """Open: ready, saying requests are not limited; closed: a 503, since every request
+    under a limit is refused meanwhile."""
+    buckets = RedisBuckets(f"redis://127.0.0.1:{free_port()}/0", "x:", fail_open)
+    api = TestClient(create_app(FakeBackend(), Keyring(()), buckets=buckets))
+    answer = api.get("/health")
+    if fail_open:
+        assert answer.status_code == 200
+        assert "requests are not limited" in answer.json()["rate_limits"]
+    else:
+        error = error_of(answer, 503)
+        assert error["code"] == "rate_limits_unavailable" and "closed" in error["message"]
+    # A store that answers says nothing.
+    assert (
+        "rate_limits"
+        not in TestClient(create_app(FakeBackend(), Keyring(()))).get("/health").json()
+    )
+
+
+def test_each_keyed_request_s_tokens_count_for_its_tenant_streamed_or_not():
+    backend = FakeBackend()
+    api = TestClient(create_app(backend, Keyring(["k1"])))
+    auth = {"Authorization": "Bearer k1"}
+    body = {"model": "llm", "prompt": "a b c", "max_tokens": 2, "n": 2}
+    assert api.post("/v1/completions", json=body, headers=auth).status_code == 200
+    streamed = api.post("/v1/completions", json=body | {"stream": True}, headers=auth)
+    assert streamed.status_code == 200 and "[DONE]" in streamed.text
+    embedded = {"model": "emb", "input": ["x y"]}
+    assert api.post("/v1/embeddings", json=embedded, headers=auth).status_code == 200
+    # 4 generations of 3 prompt and 2 answer tokens; 2 embedded tokens.
+    assert backend.tenant_tokens == {"default": [4 * 3 + 2, 4 * 2]}
