@@ -64,6 +64,9 @@ class GenerateParams:
     # A request resumed on another replica (serve/migration.py): the last this-many
     # prompt_token_ids are the answer so far, continued as if never cut.
     resumed_tokens: int = 0
+    # The engine admits lower first when full (vLLM's order); set only for a model whose
+    # engine takes it (the API layer's Backend.takes_priority).
+    priority: int = 0
     # Guided decoding (TensorRT-LLM's guide types, tritonllm.contract.GUIDE_TYPES): the
     # answer is held to this grammar ("json_schema" with a schema's text, "regex", ...).
     guide_type: str | None = None

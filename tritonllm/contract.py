@@ -80,7 +80,15 @@ RETURN_PROMPT_LOG_PROBS = _ext("return_prompt_log_probs", "BOOL", 1, optional=Tr
 # draws the next token as the seed's next draw; max_tokens and min_tokens count only
 # the new tokens.
 RESUMED_OUTPUT_LEN = _ext("resumed_output_len", "INT32", 1, optional=True)
-_ENGINE_EXTENSION_INPUTS = (NUM_TOP_LOG_PROBS, RETURN_PROMPT_LOG_PROBS, RESUMED_OUTPUT_LEN)
+# The order in which a full engine admits its queued requests: lower first, equal ones
+# first come, first served (vLLM's ``priority``; 0 when absent).
+PRIORITY = _ext("priority", "INT32", 1, optional=True)
+_ENGINE_EXTENSION_INPUTS = (
+    NUM_TOP_LOG_PROBS,
+    RETURN_PROMPT_LOG_PROBS,
+    RESUMED_OUTPUT_LEN,
+    PRIORITY,
+)
 
 # A response carries these when asked for; the prompt's and the cache count on a
 # request's first response only.

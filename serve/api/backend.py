@@ -50,6 +50,10 @@ class Backend(Protocol):
         """The LoRA adapters found now in the directory of a model with ``lora``.
         Raises :class:`serve.api.errors.APIError`."""
 
+    def takes_priority(self, model: ModelConfig) -> bool:
+        """Whether the model's engine admits by a request's ``priority`` (the torch
+        engine; not TensorRT-LLM's nor, as deployed here, vLLM's)."""
+
     def sampling_defaults(self, model: ModelConfig) -> SamplingDefaults:
         """The model's checkpoint's sampling defaults (``generation_config.json``)."""
 

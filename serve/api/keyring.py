@@ -52,6 +52,14 @@ class Caller:
     models: frozenset[str] | None = None
     requests_per_minute: int | None = None  # None: no limit
     tokens_per_minute: int | None = None  # prompt + max_tokens reserved, then settled
+    priority: int | None = None  # its requests' default and most urgent; None: no bound
+
+    def priority_of(self, requested: int | None) -> int:
+        """A request's priority (vLLM's order: lower is admitted first): what it asks,
+        never more urgent than its tenant's; the tenant's (else 0) when it asks none."""
+        if self.priority is None:
+            return requested or 0
+        return self.priority if requested is None else max(requested, self.priority)
 
     def may_use(self, model_id: str) -> bool:
         return self.models is None or model_id in self.models
@@ -70,6 +78,13 @@ class Tenant(BaseModel):
     requests_per_minute: int | None = Field(None, gt=0, description="no limit when absent")
     tokens_per_minute: int | None = Field(
         None, gt=0, description="prompt and answer tokens; no limit when absent"
+    )
+    priority: int | None = Field(
+        None,
+        ge=-(2**31),
+        lt=2**31,
+        description="its requests' default priority and the most urgent they may ask "
+        "for (lower first, as vLLM's); absent: 0, and any a request asks",
     )
 
     @field_validator("keys")
@@ -243,6 +258,7 @@ class Keyring:
                     models,
                     tenant.requests_per_minute,
                     tenant.tokens_per_minute,
+                    tenant.priority,
                 )
                 for key_digest in tenant.digests():
                     if key_digest in callers:

@@ -117,9 +117,21 @@ def choices(
     ids = iter(request_ids(request, len(prompts) * body.n))
     cap, default = model.max_tokens_cap, model.default_max_tokens
     defaults = backend.sampling_defaults(model)
+    # An engine without priorities (TensorRT-LLM's, vLLM's default) serves in turn.
+    priority = caller(request).priority_of(body.priority) if backend.takes_priority(model) else 0
     return [
         body.params(
-            prompt, max_tokens, cap, default, next(ids), variant, j, defaults, guide, adapter
+            prompt,
+            max_tokens,
+            cap,
+            default,
+            next(ids),
+            variant,
+            j,
+            defaults,
+            guide,
+            adapter,
+            priority,
         )
         for prompt in prompts
         for j in range(body.n)

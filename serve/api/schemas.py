@@ -83,6 +83,8 @@ class SamplingFields(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's: lower is admitted first by a full engine; the key's tenant's when absent.
+    priority: int | None = Field(None, ge=-(2**31), lt=2**31)
     # vLLM's structured outputs, and their older names (serve/api/structured.py).
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = None
@@ -153,6 +155,7 @@ class SamplingFields(BaseModel):
         defaults: SamplingDefaults = GREEDY,
         guide: Guide | None = None,
         adapter: str | None = None,
+        priority: int = 0,
     ) -> GenerateParams:
         """The engine request of one choice; the ``choice``-th of n samples with its
         own seed (seed + choice), so n seeded choices differ and repeat."""
@@ -189,6 +192,7 @@ class SamplingFields(BaseModel):
             guide_type=guide.type if guide else None,
             guide=guide.text if guide else "",
             guide_field=guide.param if guide else "",
+            priority=priority,
         )
 
     def _seed(self, choice: int) -> int | None:

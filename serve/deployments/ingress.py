@@ -140,6 +140,14 @@ def _serves_engine_extensions(model: ModelConfig) -> bool:
     return repository.serves_engine_extensions(repo, model.engine_model())
 
 
+def _takes_priority(model: ModelConfig) -> bool:
+    """Whether the model's engine admits by priority (the torch engine; vLLM is deployed
+    without its priority scheduling)."""
+    if model.engine == "vllm":
+        return False
+    return repository.takes_priority(model.triton.repository_path(), model.engine_model())
+
+
 def open_buckets(config: RateLimitsConfig) -> Buckets:
     """The store of the tenants' rate limits ``config`` names (serve/api/limits.py)."""
     if config.store == "redis":
@@ -185,6 +193,7 @@ class ApiBackend:
         self._extensions = {
             m.id: _serves_engine_extensions(m) for m in config.models if m.task == "generate"
         }
+        self._priorities = {m.id: _takes_priority(m) for m in config.models if m.task == "generate"}
         # Each LoRA model's adapter directory, listed at most every few seconds.
         self._adapters = {
             m.id: AdapterCatalog(m.lora.adapters_url()) for m in config.models if m.lora
@@ -224,6 +233,9 @@ class ApiBackend:
 
     def sampling_defaults(self, model: ModelConfig) -> SamplingDefaults:
         return self._sampling[model.id]
+
+    def takes_priority(self, model: ModelConfig) -> bool:
+        return self._priorities[model.id]
 
     def serves_alternatives(self, model: ModelConfig) -> bool:
         # Top-k and prompt log probabilities: vLLM and the torch engine (an extension).

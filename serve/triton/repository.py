@@ -89,3 +89,11 @@ def serves_engine_extensions(repository: Path, engine: str = contract.TENSORRT_L
     repository built for TensorRT-LLM does not (``tritonllm.contract``)."""
     declared = {output.name for output in read_config(repository, engine).output}
     return contract.TOP_LOG_PROBS.name in declared
+
+
+def takes_priority(repository: Path, engine: str = contract.TENSORRT_LLM) -> bool:
+    """Whether the engine step (and so its ensemble, built with it) takes a request's
+    ``priority``: the torch engine's repositories built since it has one, not
+    TensorRT-LLM's."""
+    declared = {tensor.name for tensor in read_config(repository, engine).input}
+    return contract.PRIORITY.name in declared

@@ -57,6 +57,8 @@ def ensemble_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
         _put(values, contract.INPUT_IDS, *params.prompt_token_ids)
     if params.resumed_tokens:
         _put(values, contract.RESUMED_OUTPUT_LEN, params.resumed_tokens)
+    if params.priority:
+        _put(values, contract.PRIORITY, params.priority)
     if params.ignore_eos:  # TensorRT-LLM's "no end id"
         _put(values, contract.END_ID, -1)
     if params.stop:

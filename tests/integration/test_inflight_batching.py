@@ -212,14 +212,14 @@ def test_an_ensemble_request_is_stopped_by_its_request_id(triton, tokenizer):
 
 @pytest.fixture(scope="module")
 def tight_triton(checkpoint_dir, tmp_path_factory):
-    """The same checkpoint under tight limits: one slot, one queued request, 16-token
+    """The same checkpoint under tight limits: one slot, three queued requests, 16-token
     steps (longer prompts prefilled in chunks)."""
     from serve.triton.launcher import TritonProcess
 
     repository = repository_with_limits(
         checkpoint_dir,
         tmp_path_factory.mktemp("tight") / "model_repository",
-        *("--max-batch-size", "1", "--max-queue-size", "1", "--max-num-tokens", "16"),
+        *("--max-batch-size", "1", "--max-queue-size", "3", "--max-num-tokens", "16"),
         "--enable-chunked-context",
     )
     with TritonProcess(repository).start(timeout_s=180) as server:
@@ -231,14 +231,51 @@ def test_past_the_queue_bound_requests_are_busy_and_the_server_serves_on(tight_t
     running = threading.Thread(target=generate, args=(url, "The cat", 150), kwargs={"end_id": 0})
     running.start()
     wait_for(lambda: engine_metrics(tight_triton)["tritonllm_engine_running_sequences"] == 1)
-    queued = threading.Thread(target=generate, args=(url, "Hello", 4))
-    queued.start()
-    wait_for(lambda: engine_metrics(tight_triton)["tritonllm_engine_queued_requests"] == 1)
+    queued = [threading.Thread(target=generate, args=(url, "Hello", 4)) for _ in range(3)]
+    for thread in queued:
+        thread.start()
+    wait_for(lambda: engine_metrics(tight_triton)["tritonllm_engine_queued_requests"] == 3)
     with pytest.raises(InferenceServerException, match="queue is full"):
         generate(url, "Hi", 4)
     running.join(60)
-    queued.join(60)
+    for thread in queued:
+        thread.join(60)
     assert generate(url, "Hi", 4).text
+
+
+def test_a_full_engine_admits_the_ensemble_s_priority_first(tight_triton, tokenizer):
+    """The contract's ``priority`` through the ensemble: queued behind a running request,
+    the urgent one (lower) starts first though it came last."""
+    url, started = tight_triton.grpc_url, {}
+
+    def send(name: str, priority: int) -> None:
+        with Stream(url) as stream:
+            values = ensemble_values("Hello", 2, stream=True, priority=priority)
+            stream.send(contract.ENSEMBLE, values, uuid.uuid4().hex)
+            for result in stream.responses(60):
+                if result.get_response().outputs:
+                    started.setdefault(name, time.monotonic())
+
+    def queued_requests() -> float:
+        return engine_metrics(tight_triton)["tritonllm_engine_queued_requests"]
+
+    long_id = uuid.uuid4().hex  # runs until stopped, once the others have queued
+    running = threading.Thread(
+        target=generate, args=(url, "The cat", 480), kwargs={"end_id": 0, "request_id": long_id}
+    )
+    running.start()
+    wait_for(lambda: engine_metrics(tight_triton)["tritonllm_engine_running_sequences"] == 1)
+    queued = []
+    for name, priority in [("later", 7), ("default", 0), ("urgent", -1)]:
+        queued.append(threading.Thread(target=send, args=(name, priority)))
+        queued[-1].start()
+        count = len(queued)  # each queued before the next is sent: their order is known
+        wait_for(lambda count=count: queued_requests() == count)
+    send_stop(url, tokenizer, long_id)
+    running.join(60)
+    for thread in queued:
+        thread.join(60)
+    assert sorted(started, key=started.get) == ["urgent", "default", "later"]
 
 
 def test_a_prompt_over_the_step_budget_is_prefilled_in_chunks(tight_triton, triton):

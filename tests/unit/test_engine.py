@@ -320,6 +320,24 @@ def test_cancelling_a_queued_request_answers_it_without_running_it(make_engine, 
     assert long.done.wait(30)
 
 
+def test_a_full_engine_admits_by_priority_then_first_come_first_served(make_engine, tokenizer):
+    """vLLM's order: lower priority first; the default 0 between; equals in turn."""
+    engine = make_engine(max_batch_size=1)
+    long = CollectingSink()
+    engine.submit(request(tokenizer, "The cat", 400, rid="long", streaming=True, end_id=None), long)
+    wait_until(lambda: len(long.chunks) >= 2)  # the one slot is taken: the rest queue
+    queued = [("late", 5), ("first-0", 0), ("urgent", -3), ("second-0", 0), ("later", 5)]
+    sinks = {}
+    for rid, priority in queued:
+        sinks[rid] = CollectingSink()
+        engine.submit(request(tokenizer, "Hello", 2, rid=rid, priority=priority), sinks[rid])
+    engine.cancel("long")
+    for sink in sinks.values():
+        assert sink.done.wait(60)
+    started = sorted(sinks, key=lambda rid: sinks[rid].times[0])
+    assert started == ["urgent", "first-0", "second-0", "late", "later"]
+
+
 def test_a_prompt_over_the_token_budget_is_rejected_and_the_engine_serves_on(
     make_engine, tokenizer
 ):

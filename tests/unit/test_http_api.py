@@ -98,6 +98,9 @@ class FakeBackend:
     def serves_alternatives(self, model):
         return self.alternatives
 
+    def takes_priority(self, model):
+        return True
+
     async def _chunks(self, params):
         self.params.append(params)
         prompt = params.prompt.split() or [f"t{i}" for i in params.prompt_token_ids]

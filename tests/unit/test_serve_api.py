@@ -117,6 +117,9 @@ def test_ensemble_inputs_follow_the_contract():
     inputs = ensemble_inputs(resumed)
     assert inputs[contract.RESUMED_OUTPUT_LEN.name].tolist() == [[2]]
     assert inputs[contract.INPUT_IDS.name].tolist() == [[1, 7, 8]]
+    assert contract.PRIORITY.name not in inputs  # 0, the engine's default: not sent
+    urgent = ensemble_inputs(GenerateParams("hi", 5, priority=-2))
+    assert urgent[contract.PRIORITY.name].tolist() == [[-2]]
     output_names = {spec.name for spec in contract.ENSEMBLE_OUTPUTS}
     assert set(ensemble_outputs(params)) <= output_names
 

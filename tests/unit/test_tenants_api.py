@@ -103,3 +103,31 @@ def test_a_key_added_or_removed_counts_once_the_file_is_read_again(tenants):
     clock.now += RELOAD_S
     assert client.get("/v1/models", headers=bearer("chat-3")).status_code == 200
     assert error_of(client.get("/v1/models", headers=bearer("chat-1")), 401)
+
+
+def test_a_request_s_priority_is_its_own_never_more_urgent_than_its_tenant_s(tmp_path):
+    """vLLM's order (lower first): a tenant's priority is its requests' default and the
+    most urgent they may ask for; plain keys and an open API take what they ask."""
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  - {name: batch, keys: [batch-1], priority: 5}\n")
+    backend = FakeBackend()
+    client = TestClient(create_app(backend, Keyring(["plain"], tenants_file=path)))
+    messages = [{"role": "user", "content": "hi"}]
+    for key, asked, priority in [
+        ("batch-1", None, 5),
+        ("batch-1", -10, 5),
+        ("batch-1", 9, 9),
+        ("plain", None, 0),
+        ("plain", -3, -3),
+    ]:
+        body = {"model": "llm", "messages": messages, "max_tokens": 2}
+        body |= {} if asked is None else {"priority": asked}
+        answer = client.post("/v1/chat/completions", json=body, headers=bearer(key))
+        assert answer.status_code == 200, answer.text
+        assert backend.params[-1].priority == priority, (key, asked)
+    # The Messages API has no field for it: the tenant's.
+    body = {"model": "llm", "max_tokens": 2, "messages": messages}
+    assert client.post("/v1/messages", json=body, headers={"x-api-key": "batch-1"}).is_success
+    assert backend.params[-1].priority == 5
+    out_of_range = {"model": "llm", "messages": messages, "priority": 2**31}
+    error_of(client.post("/v1/chat/completions", json=out_of_range, headers=bearer("plain")), 400)

@@ -36,6 +36,8 @@ class GenerationRequest:
     # The last this-many input ids are the request's own earlier output (a request
     # resumed on another replica; tritonllm.contract's resumed_output_len).
     resumed_output_len: int = 0
+    # Lower is admitted first when the engine is full (tritonllm.contract's priority).
+    priority: int = 0
 
     @property
     def resumed_ids(self) -> tuple[int, ...]:

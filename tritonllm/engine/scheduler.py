@@ -288,11 +288,20 @@ class Engine:
                 raise EngineBusy(
                     f"engine queue is full ({self.max_queue_size} requests waiting); retry later"
                 )
-            self._pending.append(seq)
+            self._queue(seq)
             if guide is not None:
                 self._compiling.append(seq)
             self._active[request.request_id] += 1
             self._lock.notify()
+
+    def _queue(self, seq: Sequence) -> None:
+        """Behind every queued request of its priority or a lower one (vLLM's order:
+        lower first; equals first come, first served). Under the lock."""
+        pending, priority = self._pending, seq.request.priority
+        place = len(pending)
+        while place and pending[place - 1].request.priority > priority:
+            place -= 1  # the common case, one priority for all, looks at one request
+        pending.insert(place, seq)
 
     def cancel(self, request_id: str) -> None:
         """End a queued or running request within one step; unknown and empty ids
@@ -503,10 +512,11 @@ class Engine:
         return stats if stats.compiled or stats.refused else None
 
     def _admit(self) -> list[Sequence]:
-        """Move queued requests (first come, first served) into free slots; each starts
-        with the longest prefix the prefix cache holds already in its slot. Without
-        chunked context, only while their whole prompts fit the step's token budget. A
-        request whose guide still compiles keeps its place; the others pass it."""
+        """Move queued requests (by priority, then first come, first served) into free
+        slots; each starts with the longest prefix the prefix cache holds already in its
+        slot. Without chunked context, only while their whole prompts fit the step's
+        token budget. A request whose guide still compiles keeps its place; the others
+        pass it."""
         budget = self.max_num_tokens - len(self._running)
         admitted = []
         with self._lock:

@@ -128,6 +128,7 @@ def to_generation_request(request_id: str, get: Getter) -> GenerationRequest:
         lora_task_id=_scalar(get, contract.LORA_TASK_ID, int),
         lora=_lora(get),
         resumed_output_len=_scalar(get, contract.RESUMED_OUTPUT_LEN, int, 0),
+        priority=_scalar(get, contract.PRIORITY, int, 0),
     )
 
 
