@@ -13,13 +13,14 @@ logged.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from fastapi import Request
 
 from serve.api.errors import Unauthorized
 from serve.api.keyring import ANYONE, Caller, Keyring
-from serve.api.limits import RateLimited
+from serve.api.limits import RateLimited, TooManyAtOnce
 from serve.config import APIKeys
 
 
@@ -90,17 +91,26 @@ async def require_messages_api_key(request: Request) -> None:
 
 
 async def _admit(request: Request) -> None:
-    """Holds the caller's tenant to its requests per minute: 429 past it; the quota
-    goes in ``request.state.quotas`` for the headers of the answer, 429s included (its
-    tokens per minute are held where a request reaches an engine: serve/api/metered.py)."""
+    """Holds the caller's tenant to its requests per minute (the quota goes in
+    ``request.state.quotas`` for the headers of the answer, 429s included) and to its
+    requests at once (a seat, given back when the answer has ended: ``request.state.leave``,
+    which serve.api.middleware.RequestRecorder calls); a 429 past either. Its tokens per
+    minute are held where a request reaches an engine (serve/api/metered.py)."""
     tenant = caller(request)
     buckets = getattr(request.app.state, "buckets", None)
-    if tenant.requests_per_minute is None or buckets is None:
+    if buckets is None:
         return
-    quota = await buckets.take(f"{tenant.tenant}:requests", tenant.requests_per_minute)
-    request.state.quotas = [quota]
-    if not quota.allowed:
-        raise RateLimited(tenant.tenant, quota)
+    if tenant.requests_per_minute is not None:
+        quota = await buckets.take(f"{tenant.tenant}:requests", tenant.requests_per_minute)
+        request.state.quotas = [quota]
+        if not quota.allowed:
+            raise RateLimited(tenant.tenant, quota)
+    if tenant.max_concurrent_requests is not None:
+        seats = f"{tenant.tenant}:at-once"
+        ticket = await buckets.enter(seats, tenant.max_concurrent_requests)
+        if ticket is None:
+            raise TooManyAtOnce(tenant.tenant, tenant.max_concurrent_requests)
+        request.state.leave = functools.partial(buckets.leave, seats, ticket)
 
 
 def _let_in(keyring: Keyring, given: list[str]) -> Caller:

@@ -52,6 +52,7 @@ class Caller:
     models: frozenset[str] | None = None
     requests_per_minute: int | None = None  # None: no limit
     tokens_per_minute: int | None = None  # prompt + max_tokens reserved, then settled
+    max_concurrent_requests: int | None = None  # answers under way at once
     priority: int | None = None  # its requests' default and most urgent; None: no bound
 
     def priority_of(self, requested: int | None) -> int:
@@ -78,6 +79,9 @@ class Tenant(BaseModel):
     requests_per_minute: int | None = Field(None, gt=0, description="no limit when absent")
     tokens_per_minute: int | None = Field(
         None, gt=0, description="prompt and answer tokens; no limit when absent"
+    )
+    max_concurrent_requests: int | None = Field(
+        None, gt=0, description="requests under way at once; no limit when absent"
     )
     priority: int | None = Field(
         None,
@@ -258,6 +262,7 @@ class Keyring:
                     models,
                     tenant.requests_per_minute,
                     tenant.tokens_per_minute,
+                    tenant.max_concurrent_requests,
                     tenant.priority,
                 )
                 for key_digest in tenant.digests():

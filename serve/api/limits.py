@@ -1,14 +1,19 @@
-"""Per-tenant rate limits: a tenant's requests per minute, as OpenAI and Anthropic
-limit theirs, held across every ingress replica of the app.
+"""Per-tenant rate limits, held across every ingress replica of the app: a tenant's
+requests and tokens per minute, as OpenAI and Anthropic limit theirs, and its requests
+at once.
 
-Each limit is a token bucket: it holds up to the limit and refills at the limit per
-minute, so a tenant idle for a minute may send its whole minute's requests at once,
-and one at the limit gets the next request in as soon as one has refilled (what the
-``retry-after`` of a 429 says). Two stores keep the buckets: :class:`MemoryBuckets`
-(in this process: each ingress replica allows the whole limit, so it holds for an app
-of one ingress replica) and :class:`RedisBuckets` (one bucket per tenant in a Redis,
-taken from atomically by a Lua script on the Redis's own clock: every replica shares
-it). A Redis that cannot be reached lets requests in or refuses them (503), as
+Each per-minute limit is a token bucket: it holds up to the limit and refills at the
+limit per minute, so a tenant idle for a minute may send its whole minute at once, and
+one at the limit gets in as soon as enough has refilled (what the ``retry-after`` of a
+429 says). A request takes one from the requests' bucket; tokens are taken as a request
+reaches an engine and settled at its end (serve/api/metered.py). Requests at once are
+seats, each held until its answer has ended.
+
+Two stores keep them: :class:`MemoryBuckets` (in this process: each ingress replica
+allows the whole limit, so it holds for an app of one ingress replica) and
+:class:`RedisBuckets` (one bucket, one set of seats per tenant in a Redis, changed
+atomically by Lua scripts on the Redis's own clock: every replica shares them). A
+Redis that cannot be reached lets requests in or refuses them (503), as
 ``rate_limits.on_store_error`` says, and the log says which, once a minute.
 """
 
@@ -18,7 +23,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
@@ -75,6 +81,24 @@ class RateLimited(APIError):
         return {"retry-after": str(max(1, math.ceil(self.quota.retry_after_s)))}
 
 
+class TooManyAtOnce(APIError):
+    """A tenant's requests at once past its ``max_concurrent_requests``: a 429 whose
+    ``retry-after`` is a guess (one ends when it ends)."""
+
+    status = 429
+    type = "requests"
+
+    def __init__(self, tenant: str, limit: int):
+        super().__init__(
+            f"too many requests at once for tenant {tenant!r}: {limit} at most; retry when "
+            "one has ended",
+            code="rate_limit_exceeded",
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": "1"}
+
+
 class Buckets(Protocol):
     fail_open: bool  # whether requests are let in while the store cannot be reached
 
@@ -91,6 +115,13 @@ class Buckets(Protocol):
     async def settle(self, name: str, per_minute: int, amount: int) -> None:
         """Takes ``amount`` whatever the bucket holds (a request that used more than it
         took; below 0, the next waits until it has refilled), or gives ``-amount`` back."""
+
+    async def enter(self, name: str, limit: int) -> str | None:
+        """A seat among at most ``limit`` requests at once (its ticket), or None when
+        they are all taken; :meth:`leave` gives it back."""
+
+    async def leave(self, name: str, ticket: str) -> None:
+        """Gives back the seat of ``ticket``."""
 
 
 def _take(tokens: float, per_minute: int, amount: int, force: bool) -> tuple[float, float]:
@@ -121,6 +152,18 @@ class MemoryBuckets:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self._buckets: dict[str, tuple[float, float]] = {}  # name: (tokens, at)
+        self._seats: dict[str, set[str]] = {}  # name: the tickets of requests at once
+
+    async def enter(self, name: str, limit: int) -> str | None:
+        seats = self._seats.setdefault(name, set())
+        if len(seats) >= limit:
+            return None
+        ticket = uuid.uuid4().hex
+        seats.add(ticket)
+        return ticket
+
+    async def leave(self, name: str, ticket: str) -> None:
+        self._seats.get(name, set()).discard(ticket)
 
     async def take(
         self, name: str, per_minute: int, amount: int = 1, kind: str = "requests"
@@ -170,12 +213,28 @@ return {tostring(tokens), retry}
 """
 
 
+# KEYS[1]: a tenant's seats (a sorted set of tickets, each scored with when it lapses);
+# ARGV: the limit, the ticket, how long a seat may be held (s). A seat whose request's
+# replica died lapses after that: the longest answer the app allows.
+_ENTER = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3])) + 1)
+return 1
+"""
+
+
 class RedisBuckets:
     """Buckets in a Redis, shared by every ingress replica (see the module's docstring).
 
-    ``fail_open``: whether a request is let in when the Redis cannot be reached."""
+    ``fail_open``: whether a request is let in when the Redis cannot be reached;
+    ``seat_s``: how long a request's seat among its tenant's at once may be held (the
+    longest answer), after which it lapses if its replica died holding it."""
 
-    def __init__(self, url: str, key_prefix: str, fail_open: bool = True):
+    def __init__(self, url: str, key_prefix: str, fail_open: bool = True, seat_s: float = 600):
         # Imported here: an app on the memory store never needs the client.
         import redis.asyncio
 
@@ -183,6 +242,8 @@ class RedisBuckets:
             url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S
         )
         self._script = self._redis.register_script(_TAKE)
+        self._enter = self._redis.register_script(_ENTER)
+        self._seat_s = seat_s
         self._unreachable = (redis.ConnectionError, redis.TimeoutError)
         self.key_prefix, self.fail_open = key_prefix, fail_open
         self._complained_at = float("-inf")
@@ -215,6 +276,27 @@ class RedisBuckets:
             raise
         self.reachable = True
         return result
+
+    async def enter(self, name: str, limit: int) -> str | None:
+        ticket = uuid.uuid4().hex
+        try:
+            entered = await self._enter(
+                keys=[self.key_prefix + name], args=[limit, ticket, self._seat_s]
+            )
+        except self._unreachable as error:
+            self.reachable = False
+            self._unlimited("requests", limit, error)  # closed: raises
+            return ticket
+        self.reachable = True
+        return ticket if entered else None
+
+    async def leave(self, name: str, ticket: str) -> None:
+        try:
+            await self._redis.zrem(self.key_prefix + name, ticket)
+        except self._unreachable as error:  # the seat lapses on its own
+            log.warning(
+                "rate limits (Redis) unreachable: a seat of %s not given back: %s", name, error
+            )
 
     async def reachable_now(self) -> bool:
         """Whether the Redis answers a PING now (``GET /health``; a probe's own timeout
@@ -269,3 +351,14 @@ def quota_headers(quotas: list[Quota], anthropic: bool) -> list[tuple[bytes, byt
                 (f"x-ratelimit-reset-{quota.kind}", duration(quota.reset_s)),
             ]
     return [(name.encode(), str(value).encode()) for name, value in pairs]
+
+
+# What runs after an answer, off its path (settlements, seats given back): held so that
+# none is collected before it has run.
+_after: set[asyncio.Task] = set()
+
+
+def in_background(work: Awaitable[None]) -> None:
+    task = asyncio.ensure_future(work)
+    _after.add(task)
+    task.add_done_callback(_after.discard)

@@ -12,24 +12,20 @@ a token until the engine's count settles it. A prompt of token ids counts its id
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from fastapi import Request
 
 from serve.api.backend import Backend, Embeddings
 from serve.api.keyring import Caller
-from serve.api.limits import Buckets, RateLimited
+from serve.api.limits import Buckets, RateLimited, in_background
 from serve.config import ModelConfig
 from serve.generation import GenerateParams, GenerationChunk
 
 # OpenAI's rule of thumb for English text; what is over or under is settled at the end.
 CHARS_PER_TOKEN = 4
-
-# Settlements under way: held so that none is collected before it has run.
-_settling: set[asyncio.Task] = set()
 
 
 def prompt_tokens(params: GenerateParams) -> int:
@@ -121,11 +117,4 @@ class MeteredBackend:
         self._backend.count_tenant_tokens(self._tenant, prompt, completion)
         used = prompt + completion
         if self._per_minute is not None and used != reserved:
-            settlement = self._buckets.settle(self._bucket, self._per_minute, used - reserved)
-            _in_background(settlement)
-
-
-def _in_background(settlement: Awaitable[None]) -> None:
-    task = asyncio.ensure_future(settlement)
-    _settling.add(task)
-    task.add_done_callback(_settling.discard)
+            in_background(self._buckets.settle(self._bucket, self._per_minute, used - reserved))

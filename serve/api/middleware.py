@@ -12,7 +12,7 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.api.errors import TooLarge, error_response, route_path, speaks_anthropic
-from serve.api.limits import quota_headers
+from serve.api.limits import in_background, quota_headers
 
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 
@@ -111,5 +111,8 @@ class RequestRecorder:
             status = 499
             raise
         finally:
+            leave = scope.get("state", {}).get("leave")  # a seat of the tenant's at once
+            if leave is not None:
+                in_background(leave())
             if record is not None:
                 record(scope, status, time.monotonic() - start)

@@ -148,11 +148,12 @@ def _takes_priority(model: ModelConfig) -> bool:
     return repository.takes_priority(model.triton.repository_path(), model.engine_model())
 
 
-def open_buckets(config: RateLimitsConfig) -> Buckets:
-    """The store of the tenants' rate limits ``config`` names (serve/api/limits.py)."""
+def open_buckets(config: RateLimitsConfig, seat_s: float) -> Buckets:
+    """The store of the tenants' rate limits ``config`` names (serve/api/limits.py);
+    ``seat_s``: the app's longest answer (a seat its replica never gave back lapses)."""
     if config.store == "redis":
         url = redis_url(config, section="rate_limits")
-        return RedisBuckets(url, config.key_prefix, config.on_store_error == "open")
+        return RedisBuckets(url, config.key_prefix, config.on_store_error == "open", seat_s)
     return MemoryBuckets()
 
 
@@ -199,7 +200,8 @@ class ApiBackend:
             m.id: AdapterCatalog(m.lora.adapters_url()) for m in config.models if m.lora
         }
         self._keyring = app_keyring(config.api_keys, [m.id for m in config.models])
-        self._buckets = open_buckets(config.rate_limits)
+        longest_s = max(m.drain_timeout_s() for m in config.models)
+        self._buckets = open_buckets(config.rate_limits, longest_s)
         log.info("API keys %s", "not configured (open API)" if self._keyring.open else "required")
 
     async def _metrics_text(self) -> str:

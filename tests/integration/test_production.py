@@ -182,7 +182,7 @@ def test_a_deployed_app_serves_with_request_ids_metrics_and_loopback_triton(
     cluster, built_repository
 ):
     cluster.deploy(serve_config(built_repository, deployment={"autoscaling_config": None}))
-    details = cluster.wait_running()
+    details = cluster.wait_running(settled=True)  # the app's figures alone: no replica before
     triton = details["deployments"][TRITON]
     assert triton["deployment_config"]["graceful_shutdown_timeout_s"] == pytest.approx(
         512 * 0.2 + 30

@@ -82,3 +82,26 @@ def test_an_unreachable_redis_lets_in_or_refuses_as_configured(fail_open):
     else:
         with pytest.raises(Overloaded):
             asyncio.run(take())
+
+
+def test_seats_are_shared_by_replicas_given_back_and_lapse(redis_url):
+    """Two replicas' requests at once share one tenant's seats; a seat given back lets
+    the next in, and one whose replica died (never given back) lapses."""
+
+    async def run():
+        replicas = [RedisBuckets(redis_url, "test:seats:", seat_s=1.0) for _ in range(2)]
+        first = await replicas[0].enter("t:at-once", 2)
+        second = await replicas[1].enter("t:at-once", 2)
+        third = await replicas[0].enter("t:at-once", 2)
+        await replicas[1].leave("t:at-once", second)
+        fourth = await replicas[0].enter("t:at-once", 2)
+        full = await replicas[1].enter("t:at-once", 2)
+        await asyncio.sleep(1.2)  # first and fourth never given back: lapsed
+        lapsed = await replicas[1].enter("t:at-once", 2)
+        for replica in replicas:
+            await replica.close()
+        return first, second, third, fourth, full, lapsed
+
+    first, second, third, fourth, full, lapsed = asyncio.run(run())
+    assert first and second and third is None
+    assert fourth and full is None and lapsed

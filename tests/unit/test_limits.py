@@ -4,6 +4,7 @@ on every answer, and the 429 whose ``retry-after``, honoured, gets the next requ
 from __future__ import annotations
 
 import asyncio
+import json
 import textwrap
 from datetime import UTC, datetime
 
@@ -16,7 +17,7 @@ from serve.api.http import create_app
 from serve.api.keyring import Keyring
 from serve.api.limits import MemoryBuckets, RedisBuckets, duration
 from serve.triton.launcher import free_port
-from tests.unit.test_http_api import FakeBackend, error_of
+from tests.unit.test_http_api import EndlessBackend, FakeBackend, error_of
 
 
 class Clock:
@@ -60,14 +61,19 @@ tenants:
 """
 
 
-@pytest.fixture
-def api(tmp_path):
+def tenants_api(tmp_path, tenants: str) -> tuple[TestClient, Clock]:
+    """The API over the fake engine with ``tenants``, its buckets on a clock of the test's."""
     path = tmp_path / "tenants.yaml"
-    path.write_text(textwrap.dedent(TENANTS))
+    path.write_text(textwrap.dedent(tenants))
     keyring = Keyring(tenants_file=path, model_ids=["llm", "emb"])
     clock = Clock()
     app = create_app(FakeBackend(), keyring, buckets=MemoryBuckets(clock))
     return TestClient(app, raise_server_exceptions=False), clock
+
+
+@pytest.fixture
+def api(tmp_path):
+    return tenants_api(tmp_path, TENANTS)
 
 
 def test_a_tenant_past_its_limit_gets_openai_s_429_and_its_keys_share_the_limit(api):
@@ -125,12 +131,7 @@ tenants:
 
 @pytest.fixture
 def token_api(tmp_path):
-    path = tmp_path / "tenants.yaml"
-    path.write_text(textwrap.dedent(TOKEN_TENANTS))
-    keyring = Keyring(tenants_file=path, model_ids=["llm", "emb"])
-    clock = Clock()
-    app = create_app(FakeBackend(), keyring, buckets=MemoryBuckets(clock))
-    return TestClient(app, raise_server_exceptions=False), clock
+    return tenants_api(tmp_path, TOKEN_TENANTS)
 
 
 def test_a_request_reserves_prompt_and_max_tokens_and_settles_with_the_engine_s_counts(token_api):
@@ -226,3 +227,91 @@ def test_each_keyed_request_s_tokens_count_for_its_tenant_streamed_or_not():
     assert api.post("/v1/embeddings", json=embedded, headers=auth).status_code == 200
     # 4 generations of 3 prompt and 2 answer tokens; 2 embedded tokens.
     assert backend.tenant_tokens == {"default": [4 * 3 + 2, 4 * 2]}
+
+
+AT_ONCE = """
+tenants:
+  - name: one
+    keys: [one-1]
+    max_concurrent_requests: 1
+"""
+
+
+async def _call(
+    app,
+    method: str,
+    path: str,
+    key: str,
+    body: dict | None = None,
+    leave: asyncio.Event | None = None,
+) -> list:
+    """One request through the ASGI app, message by message; with ``leave`` the client
+    goes away once that event is set (an endless stream held open until then)."""
+    payload = json.dumps(body).encode() if body is not None else b""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"authorization", f"Bearer {key}".encode()),
+        ],
+    }
+    received = [{"type": "http.request", "body": payload, "more_body": False}]
+    done, sent = asyncio.Event(), []
+
+    async def receive():
+        if received:
+            return received.pop()
+        await (leave or done).wait()  # the client goes away, or its answer has ended
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            done.set()
+
+    await app(scope, receive, send)
+    return sent
+
+
+class CountingEndlessBackend(EndlessBackend):
+    async def _chunks(self, params):
+        self.params.append(params)  # the stream is under way
+        async for chunk in super()._chunks(params):
+            yield chunk
+
+
+def test_a_tenant_s_requests_at_once_hold_a_seat_each_until_their_answer_ends(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(textwrap.dedent(AT_ONCE))
+    backend = CountingEndlessBackend()
+    app = create_app(backend, Keyring(tenants_file=path, model_ids=["llm", "emb"]))
+    stream = {"model": "llm", "prompt": "a b", "stream": True}
+
+    async def scenario():
+        leave = asyncio.Event()
+        held = asyncio.create_task(_call(app, "POST", "/v1/completions", "one-1", stream, leave))
+        while not backend.params:  # the stream has its seat and is generating
+            await asyncio.sleep(0.01)
+        refused = await _call(app, "GET", "/v1/models", "one-1")
+        leave.set()  # the client goes away: its seat is given back
+        await asyncio.wait_for(held, 10)
+        await asyncio.sleep(0.05)  # the seat is given back off the answer's path
+        again = await _call(app, "GET", "/v1/models", "one-1")
+        return refused, again
+
+    refused, again = asyncio.run(scenario())
+    start = refused[0]
+    assert start["status"] == 429 and (b"retry-after", b"1") in start["headers"]
+    error = json.loads(refused[1]["body"])["error"]
+    assert error["code"] == "rate_limit_exceeded" and "1 at most" in error["message"]
+    assert again[0]["status"] == 200
