@@ -38,8 +38,12 @@ def both_engines(cluster, built_repository):
     # Quick health checks: the kill test waits for Serve to notice a dead replica.
     for args in config["applications"][0]["args"]["models"]:
         args["deployment"] |= {"health_check_period_s": 1, "health_check_timeout_s": 30}
+    # Eager: torch.compile costs each vLLM start ~13 s of this 2-core machine (twice
+    # here: the kill test starts another), and what these tests compare is the answers.
+    llm_config = config["applications"][0]["args"]["models"][1]["vllm"]["llm_config"]
+    llm_config["engine_kwargs"]["enforce_eager"] = True
     cluster.deploy(config)
-    cluster.wait_running(timeout_s=600)  # a first vLLM start compiles the model (~1 min)
+    cluster.wait_running(timeout_s=600)
     return cluster.url
 
 
