@@ -34,6 +34,7 @@ from build_engines.targets.torch_engine import (
     validate_checkpoint,
 )
 from tritonllm import contract
+from tritonllm.tokenization import tokenizer_class_of
 
 SHARED = (contract.PREPROCESSING, contract.POSTPROCESSING)
 
@@ -105,7 +106,7 @@ def build_variants(
     shutil.rmtree(root, ignore_errors=True)
     repo = ModelRepository(root)
     first = next(iter(checkpoints.values()))
-    values = config_values(options, str(first))
+    values = config_values(options, str(first), tokenizer_class=tokenizer_class_of(str(first)))
     for model in SHARED:
         shutil.copytree(
             source.model_dir(model),

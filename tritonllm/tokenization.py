@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -12,11 +13,30 @@ class InvalidRequest(ValueError):
     """A request the server refuses; the message is sent back to the client."""
 
 
-def load_tokenizer(tokenizer_dir: str):
-    """Load a Hugging Face tokenizer from a local directory (never the hub)."""
-    from transformers import AutoTokenizer
+def load_tokenizer(tokenizer_dir: str, tokenizer_class: str = ""):
+    """Load a Hugging Face tokenizer from a local directory (never the hub).
 
-    return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    ``tokenizer_class`` (``module:Class``, what :func:`tokenizer_class_of` found when the
+    repository was built) loads that class itself. AutoTokenizer's choice of a class
+    imports torch (transformers' model configs do): 3 s of CPU in each process that
+    only tokenizes, as Triton's pre- and postprocessing stubs do at every start. Empty:
+    AutoTokenizer chooses."""
+    if not tokenizer_class:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    module, _, name = tokenizer_class.partition(":")
+    if not module.startswith("transformers.") or not name:
+        raise ValueError(f"tokenizer_class {tokenizer_class!r}: not a transformers class")
+    kind = getattr(importlib.import_module(module), name)
+    return kind.from_pretrained(tokenizer_dir, local_files_only=True)
+
+
+def tokenizer_class_of(tokenizer_dir: str) -> str:
+    """The class AutoTokenizer loads ``tokenizer_dir`` with, as :func:`load_tokenizer`
+    takes it (``make engines`` writes it into the pre/postprocessing configs)."""
+    kind = type(load_tokenizer(tokenizer_dir))
+    return f"{kind.__module__}:{kind.__qualname__}"
 
 
 @functools.lru_cache(maxsize=16)

@@ -17,6 +17,7 @@ from build_engines.targets.base import (
     Reporter,
 )
 from tritonllm import contract
+from tritonllm.tokenization import tokenizer_class_of
 
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 # A checkpoint has a tokenizer when it holds one of these (trtllm copies more files).
@@ -114,24 +115,33 @@ class TorchTarget:
                 default_model.write_default_model(checkpoint, spec.size, reporter)
         reporter.stage("filling the model configs")
         ref = repo.reference(checkpoint)
-        self._fill_configs(spec, repo, ref)
+        self._fill_configs(spec, repo, ref, tokenizer_class_of(str(checkpoint)))
         repo.write_manifest(fingerprint)
         return BuildReport(
             self.name, ref, ref, skipped, time.monotonic() - start, repo.size_bytes()
         )
 
-    def _fill_configs(self, spec: BuildSpec, repo: ModelRepository, checkpoint_ref: str) -> None:
-        for model, values in config_values(spec.options, checkpoint_ref, self.engine).items():
+    def _fill_configs(
+        self, spec: BuildSpec, repo: ModelRepository, checkpoint_ref: str, tokenizer_class: str
+    ) -> None:
+        values_of = config_values(spec.options, checkpoint_ref, self.engine, tokenizer_class)
+        for model, values in values_of.items():
             template = repo.template_path(model, TorchTarget.name)
             text = templates.fill(template, model, values, ragged=model in RAGGED)
             repo.config_path(model).write_text(text)
 
 
 def tokenizer_step_values(
-    triton_batch: int, batching: DynamicBatching, tokenizer_ref: str, preprocessing_instances: int
+    triton_batch: int,
+    batching: DynamicBatching,
+    tokenizer_ref: str,
+    preprocessing_instances: int,
+    tokenizer_class: str = "",
 ) -> dict[str, dict]:
     """The template values of the ensemble and the pre/postprocessing steps, the same
-    for every target: only the engine in the tensorrt_llm slot differs."""
+    for every target: only the engine in the tensorrt_llm slot differs.
+    ``tokenizer_class``: the tokenizer's class (tritonllm.tokenization.tokenizer_class_of),
+    which the steps then load without AutoTokenizer; empty: AutoTokenizer's choice."""
     common = {"triton_max_batch_size": triton_batch}
     dynamic_batching = templates.render_dynamic_batching(batching, triton_batch)
     return {
@@ -140,6 +150,7 @@ def tokenizer_step_values(
             **common,
             "dynamic_batching": dynamic_batching,
             "tokenizer_dir": tokenizer_ref,
+            "tokenizer_class": tokenizer_class,
             "add_special_tokens": "true",
             "preprocessing_instance_count": preprocessing_instances,
         },
@@ -147,6 +158,7 @@ def tokenizer_step_values(
             **common,
             "dynamic_batching": dynamic_batching,
             "tokenizer_dir": tokenizer_ref,
+            "tokenizer_class": tokenizer_class,
             "skip_special_tokens": "true",
         },
     }
@@ -161,12 +173,18 @@ class NullTarget(TorchTarget):
     engine = "null"
 
 
-def config_values(o: EngineOptions, checkpoint_ref: str, engine: str = "torch") -> dict[str, dict]:
+def config_values(
+    o: EngineOptions, checkpoint_ref: str, engine: str = "torch", tokenizer_class: str = ""
+) -> dict[str, dict]:
     """The template values of the four models for a checkpoint served by the torch engine
     (or by the null engine, ``engine="null"``)."""
     common = {"triton_max_batch_size": o.triton_max_batch_size}
     steps = tokenizer_step_values(
-        o.triton_max_batch_size, o.dynamic_batching, checkpoint_ref, o.preprocessing_instance_count
+        o.triton_max_batch_size,
+        o.dynamic_batching,
+        checkpoint_ref,
+        o.preprocessing_instance_count,
+        tokenizer_class,
     )
     return {
         **steps,

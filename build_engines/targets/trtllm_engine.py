@@ -40,6 +40,7 @@ from build_engines.trtllm_settings import (
     engine_mismatch,
 )
 from tritonllm import contract
+from tritonllm.tokenization import tokenizer_class_of
 
 TOKENIZER_DIR = "tokenizer"  # inside tensorrt_llm/1/, next to the engine
 # The tokenizer as XGrammar reads it, for the C++ backend's guided decoding.
@@ -139,6 +140,7 @@ class TrtllmTarget:
             repo,
             spec.options.preprocessing_instance_count,
             spec.options.dynamic_batching,
+            tokenizer_class_of(str(repo.engine_version_dir / TOKENIZER_DIR)),
         )
         repo.write_manifest(fingerprint)
         return BuildReport(
@@ -220,15 +222,20 @@ def fill_configs(
     repo: ModelRepository,
     preprocessing_instances: int = 1,
     batching: DynamicBatching | None = None,
+    tokenizer_class: str = "",
 ):
     """The four configs for the tensorrtllm backend, all from ``settings`` (and the
-    pre/postprocessing's dynamic batching)."""
+    pre/postprocessing's dynamic batching and tokenizer class)."""
     tokenizer_dir = repo.engine_version_dir / TOKENIZER_DIR
     tokenizer_ref = repo.reference(tokenizer_dir)
     flags = settings.template_flags()
     flags["triton_max_batch_size"] = settings.triton_batch
     steps = tokenizer_step_values(
-        settings.triton_batch, batching or DynamicBatching(), tokenizer_ref, preprocessing_instances
+        settings.triton_batch,
+        batching or DynamicBatching(),
+        tokenizer_ref,
+        preprocessing_instances,
+        tokenizer_class,
     )
     values = {
         **steps,

@@ -34,6 +34,7 @@ from build_engines.targets.trtllm_engine import NOT_INSTALLED, installed_version
 from build_engines.trtllm_settings import TrtllmSettings, llm_api_options
 from tritonllm import contract
 from tritonllm.llmapi import OPTIONS_FILE
+from tritonllm.tokenization import tokenizer_class_of
 
 # The LLM API on the PyTorch backend is TensorRT-LLM's default from 1.0 on.
 MIN_VERSION = (1, 0)
@@ -103,7 +104,12 @@ class TrtllmPytorchTarget:
         ref = repo.reference(checkpoint)
         options_ = spec.options
         fill_configs(
-            settings, repo, ref, options_.preprocessing_instance_count, options_.dynamic_batching
+            settings,
+            repo,
+            ref,
+            options_.preprocessing_instance_count,
+            options_.dynamic_batching,
+            tokenizer_class_of(str(checkpoint)),
         )
         repo.write_manifest(fingerprint)
         return BuildReport(
@@ -126,9 +132,11 @@ def fill_configs(
     checkpoint_ref: str,
     preprocessing_instances: int = 1,
     batching: DynamicBatching | None = None,
+    tokenizer_class: str = "",
 ) -> None:
-    """The four configs: pre/postprocessing read the checkpoint's tokenizer, the
-    tensorrt_llm model is the LLM API adapter over the same checkpoint."""
+    """The four configs: pre/postprocessing read the checkpoint's tokenizer (by its
+    class, where given), the tensorrt_llm model is the LLM API adapter over the same
+    checkpoint."""
     common = {"triton_max_batch_size": settings.triton_batch}
     flags = settings.template_flags()
     steps = tokenizer_step_values(
@@ -136,6 +144,7 @@ def fill_configs(
         batching or DynamicBatching(),
         checkpoint_ref,
         preprocessing_instances,
+        tokenizer_class,
     )
     values = {
         **steps,

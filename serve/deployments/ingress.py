@@ -44,6 +44,7 @@ from serve.generation import GenerateParams, GenerationChunk, GenerationError, c
 from serve.metrics import MetricsPublisher, RequestMetrics, replica_labels
 from serve.migration import CannotResume, Resumable
 from serve.triton import repository
+from tritonllm import tokenization
 
 log = logging.getLogger("ray.serve")
 
@@ -123,6 +124,13 @@ def _tokenizer_dir(model: ModelConfig):
     return repository.tokenizer_dir(model.triton.repository_path())
 
 
+def _load_tokenizer(model: ModelConfig):
+    """The tokenizer the model's engine itself uses, loaded as it loads it."""
+    if model.engine == "vllm":
+        return tokenization.load_tokenizer(str(model.vllm.checkpoint_path()))
+    return repository.load_tokenizer(model.triton.repository_path())
+
+
 def _skips_special_tokens(model: ModelConfig) -> bool:
     """Whether the model's answers leave special tokens out of their text: the
     postprocessing's parameter, vLLM's default."""
@@ -166,8 +174,6 @@ class ApiBackend:
         self, config: AppConfig, metrics_collector=None, response_store=None, tokenizers=None
     ) -> None:
         """``tokenizers``: those this process has loaded already, by model id."""
-        from tritonllm.tokenization import load_tokenizer
-
         self.config = config
         # response_store: the DeploymentHandle of the app's memory store (store: memory).
         self.response_store: ResponseStore | None = open_response_store(
@@ -180,11 +186,10 @@ class ApiBackend:
             labels = replica_labels()
             self._publisher = MetricsPublisher(metrics_collector, self._metrics_text, labels)
             self._publisher.start()
-        checkpoints = {m.id: _tokenizer_dir(m) for m in config.models if m.task == "generate"}
+        generating = [m for m in config.models if m.task == "generate"]
+        checkpoints = {m.id: _tokenizer_dir(m) for m in generating}
         loaded = tokenizers or {}
-        self.tokenizers = {
-            i: loaded.get(i) or load_tokenizer(str(d)) for i, d in checkpoints.items()
-        }
+        self.tokenizers = {m.id: loaded.get(m.id) or _load_tokenizer(m) for m in generating}
         self._token_texts = {
             m.id: TokenTexts(self.tokenizers[m.id], _skips_special_tokens(m))
             for m in config.models

@@ -29,7 +29,6 @@ from serve.triton.requests import EnsembleRoute, Route
 from serve.triton.select import choose_host
 from serve.triton.steps import ReplicaSteps, StepsUnsupported, read_steps
 from tritonllm import contract, lora
-from tritonllm.tokenization import load_tokenizer
 
 log = logging.getLogger("ray.serve")
 
@@ -77,8 +76,8 @@ class TritonReplica:
         if model.task == "generate" and model.triton.pipeline == "replica":
             # The preprocessing's, where this replica tokenizes itself: shared by every
             # ensemble (a pool's variants) and, in layout: direct, the API.
-            tokenizer_dir = repository.tokenizer_dir(model.triton.repository_path())
-            loads.append(asyncio.to_thread(load_tokenizer, str(tokenizer_dir)))
+            repository_dir = model.triton.repository_path()
+            loads.append(asyncio.to_thread(repository.load_tokenizer, repository_dir))
         loaded = await asyncio.gather(*loads, return_exceptions=True)
         for result in loaded:  # Triton's own reason first, where both failed
             if isinstance(result, BaseException):

@@ -12,7 +12,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from tritonllm import contract
+from tritonllm import contract, tokenization
 
 
 class RepositoryError(RuntimeError):
@@ -63,6 +63,14 @@ def tokenizer_dir(repository: Path) -> Path:
     value = _parameter(read_config(repository, contract.PREPROCESSING), "tokenizer_dir")
     path = Path(value)
     return path if path.is_absolute() else repository / path
+
+
+def load_tokenizer(repository: Path):
+    """The preprocessing model's tokenizer, loaded as it loads it: by the class ``make
+    engines`` recorded (no torch imported), else by AutoTokenizer's choice."""
+    value = _parameter(read_config(repository, contract.PREPROCESSING), "tokenizer_class")
+    recorded = "" if value.startswith("${") else value
+    return tokenization.load_tokenizer(str(tokenizer_dir(repository)), recorded)
 
 
 def engine_batch_size(repository: Path, engine: str = contract.TENSORRT_LLM) -> int:

@@ -26,7 +26,7 @@ from serve.triton.requests import ResponseReader, ensemble_inputs, ensemble_outp
 from tritonllm import contract
 from tritonllm.detokenize import IncrementalDetokenizer
 from tritonllm.preprocess import ARGUMENTS, preprocess
-from tritonllm.tokenization import InvalidRequest, load_tokenizer
+from tritonllm.tokenization import InvalidRequest
 
 # The preprocessing's and postprocessing's parameters (NVIDIA's names, ours alike).
 _TOKENIZER_DIR, _ADD_SPECIAL, _SKIP_SPECIAL = (
@@ -99,7 +99,7 @@ class ReplicaSteps:
         pre = repository.read_config(repository_dir, contract.PREPROCESSING)
         post = repository.read_config(repository_dir, contract.POSTPROCESSING)
         if tokenizer is None:
-            tokenizer = load_tokenizer(str(repository.tokenizer_dir(repository_dir)))
+            tokenizer = repository.load_tokenizer(repository_dir)
         return cls(
             steps,
             tokenizer,

@@ -27,7 +27,7 @@ def llm_configs(root, options: EngineOptions) -> dict[str, model_config_pb2.Mode
 
     repo = ModelRepository(REPOSITORY).copy_layout(root)
     spec = BuildSpec(model=None, options=options)
-    TorchTarget()._fill_configs(spec, repo, "tensorrt_llm/1/hf_model")
+    TorchTarget()._fill_configs(spec, repo, "tensorrt_llm/1/hf_model", "")
     return {model: parse(repo, model) for model in contract.MODELS}
 
 

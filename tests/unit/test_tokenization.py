@@ -1,3 +1,7 @@
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -96,3 +100,55 @@ def test_a_tokenizer_whose_wrapper_changes_the_result_is_called_through_it(check
     ids = tokenization.encode(truncating, TEXTS[0])
     assert ids == tokenization.load_tokenizer(str(checkpoint_dir)).encode(TEXTS[0])
     assert len(ids) > 2
+
+
+@pytest.fixture(params=["as built", "GPT2Tokenizer"])
+def tokenizer_dir(request, checkpoint_dir, tmp_path):
+    """The default checkpoint's tokenizer, and the same files naming a model's own class
+    (AutoTokenizer then loads that class, as for most checkpoints of the hub)."""
+    if request.param == "as built":
+        return checkpoint_dir
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (tmp_path / name).write_bytes((checkpoint_dir / name).read_bytes())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(config | {"tokenizer_class": request.param})
+    )
+    return tmp_path
+
+
+def test_a_tokenizer_loaded_by_its_recorded_class_is_autotokenizers_without_torch(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    recorded = tokenization.tokenizer_class_of(str(tokenizer_dir))
+    assert recorded == f"{type(auto).__module__}:{type(auto).__name__}"
+    # A fresh interpreter, as a Triton stub is: the class alone, and no torch imported.
+    code = (
+        "import json, sys\n"
+        "from tritonllm import tokenization\n"
+        f"t = tokenization.load_tokenizer({str(tokenizer_dir)!r}, {recorded!r})\n"
+        f"texts = {TEXTS!r}\n"
+        "print(json.dumps({'torch': 'torch' in sys.modules, 'class': type(t).__name__,\n"
+        "    'ids': [t.encode(x) for x in texts], 'special': t.all_special_ids,\n"
+        "    'text': [t.decode(t.encode(x), skip_special_tokens=True) for x in texts]}))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = json.loads(run.stdout.strip().splitlines()[-1])
+    assert loaded["torch"] is False
+    assert loaded["class"] == type(auto).__name__
+    assert loaded["ids"] == [auto.encode(text) for text in TEXTS]
+    assert loaded["special"] == auto.all_special_ids
+    assert loaded["text"] == [auto.decode(auto.encode(t), skip_special_tokens=True) for t in TEXTS]
+
+
+def test_a_recorded_class_outside_transformers_is_refused(checkpoint_dir):
+    with pytest.raises(ValueError, match="not a transformers class"):
+        tokenization.load_tokenizer(str(checkpoint_dir), "os:system")
+
+
+def test_make_engines_records_the_class_for_both_tokenizer_steps(built_repository, checkpoint_dir):
+    recorded = tokenization.tokenizer_class_of(str(checkpoint_dir))
+    line = f'key: "tokenizer_class" value: {{ string_value: "{recorded}" }}'
+    for step in ("preprocessing", "postprocessing"):
+        assert line in (built_repository / step / "config.pbtxt").read_text()

@@ -12,7 +12,9 @@ from tritonllm.postprocess import postprocess
 class TritonPythonModel:
     def initialize(self, args):
         model_args = ModelArgs(args)
-        self.tokenizer = tokenization.load_tokenizer(str(model_args.path("tokenizer_dir")))
+        self.tokenizer = tokenization.load_tokenizer(
+            str(model_args.path("tokenizer_dir")), model_args.str("tokenizer_class")
+        )
         self.skip_special_tokens = model_args.bool("skip_special_tokens", True)
         self.streams = StreamDetokenizers(self.tokenizer)
 

@@ -11,7 +11,9 @@ from tritonllm.triton_errors import triton_error
 class TritonPythonModel:
     def initialize(self, args):
         model_args = ModelArgs(args)
-        self.tokenizer = tokenization.load_tokenizer(str(model_args.path("tokenizer_dir")))
+        self.tokenizer = tokenization.load_tokenizer(
+            str(model_args.path("tokenizer_dir")), model_args.str("tokenizer_class")
+        )
         self.add_special_tokens = model_args.bool("add_special_tokens", True)
 
     def execute(self, requests):
