@@ -150,13 +150,12 @@ triton-embeddings: venv
 		--metrics-port $(EMB_TRITON_METRICS_PORT)
 
 # The vLLM environment too: the tests serve a model through both engines; and Redis,
-# where Ray keeps its cluster state in the GCS fault-tolerance test.
-# The vLLM environment, the tests' AIPerf client (tests/aiperf_env.py) and lm-eval
-# (tests/lm_eval_env.py) install side by side: virtualenvs of their own, each mostly
-# download and unpacking.
+# where Ray keeps its cluster state in the GCS fault-tolerance test. scripts/test.sh
+# installs the vLLM environment, the tests' AIPerf client (tests/aiperf_env.py) and
+# lm-eval (tests/lm_eval_env.py) side by side while the unit tests run, which need none
+# of them; then the integration tests.
 test: venv-dev redis
-	$(MAKE) --no-print-directory -j3 vllm-env aiperf-env lm-eval-env
-	$(PY) -m pytest $(PYTEST_ARGS)
+	PY=$(PY) scripts/test.sh $(PYTEST_ARGS)
 
 aiperf-env: venv-dev
 	$(PY) -m tests.aiperf_env
