@@ -60,6 +60,7 @@ async def require_api_key(request: Request) -> None:
     """FastAPI dependency: 401 unless the Bearer key is one of the keyring's."""
     keyring: Keyring = request.app.state.keyring
     if keyring.open:
+        await _admit_anyone(request, keyring)
         return
     given = _bearer(request.headers.get("authorization"))
     if given is None:
@@ -77,6 +78,7 @@ async def require_messages_api_key(request: Request) -> None:
     holding a key lets the request in."""
     keyring: Keyring = request.app.state.keyring
     if keyring.open:
+        await _admit_anyone(request, keyring)
         return
     given = [request.headers.get("x-api-key"), _bearer(request.headers.get("authorization"))]
     given = [key for key in given if key and key.strip()]
@@ -88,6 +90,15 @@ async def require_messages_api_key(request: Request) -> None:
         )
     request.state.caller = _let_in(keyring, given)
     await _admit(request)
+
+
+async def _admit_anyone(request: Request, keyring: Keyring) -> None:
+    """An open API's request: the ``default`` tenant's limits, where the tenants file
+    sets them (none otherwise, and nothing to do)."""
+    anyone = keyring.caller(None)
+    if anyone != ANYONE:
+        request.state.caller = anyone
+        await _admit(request)
 
 
 async def _admit(request: Request) -> None:

@@ -3,9 +3,12 @@
 Keys come from three places, read by each ingress (and direct) replica:
 
 - ``api_keys.env`` (comma-separated) and ``api_keys.file`` (one key per line): each
-  key is a caller of its own, in the tenant ``default``, with every model;
+  key is a caller of its own, in the tenant ``default`` (every model and no limit,
+  unless the tenants file names that tenant);
 - ``api_keys.tenants_file`` (YAML): named tenants, each with its keys (plain, or
   ``sha256:<hex>`` so that the file holds no key at all) and the models it may use.
+  A tenant named ``default`` may have no keys: its models, limits and priority are
+  those of the plain keys (and, on an open API, of every request).
 
 The keyring holds SHA-256 digests only: a key is never kept, logged or sent to a
 store, and what a caller stores (its Responses) is filed under its owner, the key's
@@ -28,7 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 log = logging.getLogger("ray.serve")
 
@@ -74,7 +84,10 @@ class Tenant(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-    keys: list[str] = Field(min_length=1, description="plain keys, or sha256:<64 hex>")
+    keys: list[str] = Field(
+        default_factory=list,
+        description="plain keys, or sha256:<64 hex>; only the default tenant may have none",
+    )
     models: list[str] | None = Field(None, min_length=1, description="all when absent")
     requests_per_minute: int | None = Field(None, gt=0, description="no limit when absent")
     tokens_per_minute: int | None = Field(
@@ -90,6 +103,28 @@ class Tenant(BaseModel):
         description="its requests' default priority and the most urgent they may ask "
         "for (lower first, as vLLM's); absent: 0, and any a request asks",
     )
+
+    @model_validator(mode="after")
+    def _keys_unless_default(self) -> Tenant:
+        if not self.keys and self.name != DEFAULT_TENANT:
+            raise ValueError(
+                f"tenant {self.name!r} has no keys (only {DEFAULT_TENANT!r}, whose limits "
+                "hold the plain keys, may have none)"
+            )
+        return self
+
+    def caller(self, owner: str | None = None) -> Caller:
+        """Whom each of its keys lets in; ``owner``: what it stores is filed under it
+        (the tenant's name where None)."""
+        return Caller(
+            self.name,
+            f"tenant:{self.name}" if owner is None else owner,
+            frozenset(self.models) if self.models else None,
+            self.requests_per_minute,
+            self.tokens_per_minute,
+            self.max_concurrent_requests,
+            self.priority,
+        )
 
     @field_validator("keys")
     @classmethod
@@ -195,10 +230,10 @@ class Keyring:
         self._keys_file, self._tenants_file = keys_file, tenants_file
         self._model_ids = None if model_ids is None else tuple(model_ids)
         self._clock = clock
-        self._callers: dict[str, Caller] = {}
         self._checked_at = clock()
         self._stamps = self._file_stamps()
-        self._callers = self._read()  # a file that is missing or wrong: raised here
+        # A file that is missing or wrong: raised here.
+        self._callers, self._anyone = self._read()
 
     @property
     def open(self) -> bool:
@@ -208,10 +243,11 @@ class Keyring:
 
     def caller(self, key: str | None) -> Caller | None:
         """Whom ``key`` lets in; None for no key or one the keyring does not hold. On
-        an open API, :data:`ANYONE` whatever the key."""
+        an open API, everyone (the ``default`` tenant's limits, if the file has it)
+        whatever the key."""
         self._refresh()
         if not self._callers:
-            return ANYONE
+            return self._anyone
         return self._callers.get(digest(key)) if key and key.strip() else None
 
     def _refresh(self) -> None:
@@ -224,7 +260,7 @@ class Keyring:
             return
         self._stamps = stamps  # a file gone wrong is reported once per change
         try:
-            callers = self._read()
+            callers, anyone = self._read()
         except (OSError, TenantsFileError) as error:
             log.error("API keys: kept the keys loaded before: %s", error)
             return
@@ -233,7 +269,7 @@ class Keyring:
             # between its truncation and its write): only a restart opens it.
             log.error("API keys: kept the keys loaded before: the files now hold none")
             return
-        self._callers = callers
+        self._callers, self._anyone = callers, anyone
         log.info("API keys reloaded: %d keys", len(callers))
 
     def _file_stamps(self) -> tuple:
@@ -248,31 +284,28 @@ class Keyring:
                 stamps.append(None)
         return tuple(stamps)
 
-    def _read(self) -> dict[str, Caller]:
-        callers = {d: Caller(DEFAULT_TENANT, owner=d) for d in self._plain}
-        if self._keys_file is not None:
-            for key in read_keys_file(self._keys_file):
-                callers[digest(key)] = Caller(DEFAULT_TENANT, owner=digest(key))
+    def _read(self) -> tuple[dict[str, Caller], Caller]:
+        """The callers by key digest, and whom an open API lets in."""
+        tenants = []
         if self._tenants_file is not None:
-            for tenant in load_tenants(self._tenants_file, self._model_ids):
-                models = frozenset(tenant.models) if tenant.models else None
-                caller = Caller(
-                    tenant.name,
-                    f"tenant:{tenant.name}",
-                    models,
-                    tenant.requests_per_minute,
-                    tenant.tokens_per_minute,
-                    tenant.max_concurrent_requests,
-                    tenant.priority,
-                )
-                for key_digest in tenant.digests():
-                    if key_digest in callers:
-                        raise TenantsFileError(
-                            f"{self._tenants_file}: tenant {tenant.name!r} has a key of "
-                            "api_keys.env or api_keys.file (a key names one tenant)"
-                        )
-                    callers[key_digest] = caller
-        return callers
+            tenants = load_tenants(self._tenants_file, self._model_ids)
+        named = {tenant.name: tenant for tenant in tenants}
+        default = named.get(DEFAULT_TENANT) or Tenant(name=DEFAULT_TENANT)
+        # Each plain key stores on its own, under its digest: its caller has its own owner.
+        plain = set(self._plain)
+        if self._keys_file is not None:
+            plain.update(digest(key) for key in read_keys_file(self._keys_file))
+        callers = {d: default.caller(owner=d) for d in plain}
+        for tenant in tenants:
+            caller = tenant.caller()
+            for key_digest in tenant.digests():
+                if key_digest in callers:
+                    raise TenantsFileError(
+                        f"{self._tenants_file}: tenant {tenant.name!r} has a key of "
+                        "api_keys.env or api_keys.file (a key names one tenant)"
+                    )
+                callers[key_digest] = caller
+        return callers, default.caller(owner="")
 
 
 def read_keys_file(path: Path) -> list[str]:

@@ -50,7 +50,36 @@ def test_plain_keys_are_callers_of_their_own_in_the_default_tenant(tmp_path):
 
 def test_without_keys_the_api_is_open_to_anyone():
     keyring = Keyring()
-    assert keyring.open and keyring.caller(None) is ANYONE and keyring.caller("x") is ANYONE
+    assert keyring.open and keyring.caller(None) == ANYONE and keyring.caller("x") == ANYONE
+
+
+def test_the_default_tenant_s_limits_hold_the_plain_keys_and_an_open_api(tmp_path):
+    tenants = write(
+        tmp_path / "tenants.yaml",
+        """
+        tenants:
+          - name: default   # no keys: the plain keys'
+            models: [llm]
+            requests_per_minute: 60
+            priority: 5
+          - name: batch
+            keys: [batch-1]
+        """,
+    )
+    keyring = Keyring(plain=["ops-1", "ops-2"], tenants_file=tenants, model_ids=MODELS)
+    one, two = keyring.caller("ops-1"), keyring.caller("ops-2")
+    assert one.tenant == two.tenant == DEFAULT_TENANT
+    assert one.requests_per_minute == 60 and one.priority_of(None) == 5
+    assert one.may_use("llm") and not one.may_use("embed")
+    # Each plain key still stores on its own.
+    assert (one.owner, two.owner) == (digest("ops-1"), digest("ops-2"))
+    assert keyring.caller("batch-1").requests_per_minute is None
+    # No key anywhere: the API is open, every request held to the default tenant's limits.
+    only_limits = write(
+        tmp_path / "open.yaml", "tenants:\n  - name: default\n    tokens_per_minute: 9\n"
+    )
+    anyone = Keyring(tenants_file=only_limits).caller(None)
+    assert anyone.tokens_per_minute == 9 and anyone.owner == ""
 
 
 def test_a_tenant_s_keys_plain_or_hashed_share_its_name_models_and_responses(tmp_path):
@@ -80,7 +109,8 @@ def test_a_tenant_s_keys_plain_or_hashed_share_its_name_models_and_responses(tmp
         ("tenants:\n  - name: a\n    keys: [k1]\n  - name: b\n    keys: [k2, k1]\n", 5, "'a'"),
         ("tenants:\n  - name: a\n    keys: [k1]\n  - name: a\n    keys: [k2]\n", 4, "twice"),
         ("tenants:\n  - name: a\n    keys: [k1]\n    models: [llm, gpt-9]\n", 4, "gpt-9"),
-        ("tenants:\n  - name: a\n    keys: []\n", 3, "at least 1"),
+        ("tenants:\n  - name: a\n    keys: []\n", 2, "tenant 'a' has no keys"),
+        ("tenants:\n  - name: a\n    priority: 1\n", 2, "tenant 'a' has no keys"),
         ("tenants:\n  - name: a\n    keys: [k1]\n    rpm: 5\n", 4, "rpm"),
         ("tenants:\n  - name: a b\n    keys: [k1]\n", 2, "pattern"),
         ("tenants:\n  - name: a\n    keys: ['sha256:abc']\n", 3, "64"),

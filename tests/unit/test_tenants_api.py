@@ -131,3 +131,22 @@ def test_a_request_s_priority_is_its_own_never_more_urgent_than_its_tenant_s(tmp
     assert backend.params[-1].priority == 5
     out_of_range = {"model": "llm", "messages": messages, "priority": 2**31}
     error_of(client.post("/v1/chat/completions", json=out_of_range, headers=bearer("plain")), 400)
+
+
+def test_the_default_tenant_s_limits_hold_an_open_api_and_the_plain_keys(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  - {name: default, requests_per_minute: 2, priority: 3}\n")
+    completion = {"model": "llm", "prompt": "a b", "max_tokens": 2}
+    for plain in ([], ["plain-1", "plain-2"]):
+        backend = FakeBackend()
+        client = TestClient(create_app(backend, Keyring(plain, tenants_file=path)))
+        keys = plain or [None, None]
+        answers = [
+            client.post("/v1/completions", json=completion, headers=bearer(k) if k else {})
+            for k in (*keys, keys[0])
+        ]
+        # The plain keys share the tenant's minute, as a named tenant's keys do.
+        assert [a.status_code for a in answers] == [200, 200, 429], plain
+        assert answers[1].headers["x-ratelimit-remaining-requests"] == "0"
+        assert error_of(answers[2], 429)["code"] == "rate_limit_exceeded"
+        assert backend.params[-1].priority == 3
