@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from collections.abc import Sequence
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 class InvalidRequest(ValueError):
@@ -28,7 +31,12 @@ def load_tokenizer(tokenizer_dir: str, tokenizer_class: str = ""):
     module, _, name = tokenizer_class.partition(":")
     if not module.startswith("transformers.") or not name:
         raise ValueError(f"tokenizer_class {tokenizer_class!r}: not a transformers class")
-    kind = getattr(importlib.import_module(module), name)
+    try:
+        kind = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        # Another transformers than the one that built the repository: it chooses.
+        log.warning("tokenizer class %s not in this transformers: AutoTokenizer", module)
+        return load_tokenizer(tokenizer_dir)
     return kind.from_pretrained(tokenizer_dir, local_files_only=True)
 
 

@@ -147,6 +147,14 @@ def test_a_recorded_class_outside_transformers_is_refused(checkpoint_dir):
         tokenization.load_tokenizer(str(checkpoint_dir), "os:system")
 
 
+def test_a_recorded_class_this_transformers_lacks_is_autotokenizer_s_choice(checkpoint_dir):
+    built_elsewhere = "transformers.models.gone.tokenization_gone:GoneTokenizer"
+    loaded = tokenization.load_tokenizer(str(checkpoint_dir), built_elsewhere)
+    assert loaded.encode(TEXTS[0]) == tokenization.load_tokenizer(str(checkpoint_dir)).encode(
+        TEXTS[0]
+    )
+
+
 def test_make_engines_records_the_class_for_both_tokenizer_steps(built_repository, checkpoint_dir):
     recorded = tokenization.tokenizer_class_of(str(checkpoint_dir))
     line = f'key: "tokenizer_class" value: {{ string_value: "{recorded}" }}'
