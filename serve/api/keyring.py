@@ -289,8 +289,8 @@ class Keyring:
         tenants = []
         if self._tenants_file is not None:
             tenants = load_tenants(self._tenants_file, self._model_ids)
-        named = {tenant.name: tenant for tenant in tenants}
-        default = named.get(DEFAULT_TENANT) or Tenant(name=DEFAULT_TENANT)
+        named_default = (t for t in tenants if t.name == DEFAULT_TENANT)
+        default = next(named_default, None) or Tenant(name=DEFAULT_TENANT)
         # Each plain key stores on its own, under its digest: its caller has its own owner.
         plain = set(self._plain)
         if self._keys_file is not None:
