@@ -66,7 +66,7 @@ SMOKE_ARGS  ?=
 SOAK_ARGS   ?=
 
 .PHONY: venv venv-dev vllm-env aiperf-env lm-eval-env engines run run-check triton triton-embeddings test test-unit lint \
-	redis bench bench-capacity bench-engine bench-embeddings bench-prefix bench-structured \
+	redis bench bench-capacity bench-engine bench-embeddings bench-fairness bench-prefix bench-structured \
 	bench-lora bench-migration \
 	soak gpu-smoke \
 	clean-engines clean
@@ -231,6 +231,12 @@ bench-prefix: venv-dev
 # compile time for a 20-field schema (build/bench-structured/results.json and tables).
 bench-structured: venv-dev
 	$(PY) -m bench.structured --repository $(REPO) $(BENCH_ARGS)
+
+# One tenant's flood against another's interactive load, and priorities at saturation,
+# with the ingress's fair shares on and off, alternated (null engine; two stacks a round;
+# build/bench-fairness/results.json and tables).
+bench-fairness: venv-dev
+	$(PY) -m bench.fairness $(BENCH_ARGS)
 
 # LoRA adapters vs the base on one stack over $(REPO): 16 streams on the base, 16 spread
 # over 8 adapters (PEFT, made in the run), alternated over 3 rounds; tokens/s and the

@@ -72,11 +72,20 @@ class OpenAITarget:
 
     path = "/v1/completions"
 
-    def __init__(self, name: str, base_url: str, model: str, max_connections: int = 256):
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        model: str,
+        max_connections: int = 256,
+        headers: dict[str, str] | None = None,
+    ):
+        """``headers``: sent with every request (an API key's ``Authorization``)."""
         self.name = name
         self.model = model
         self._base_url = base_url.rstrip("/")
         self._max_connections = max_connections
+        self._headers = headers
         self._session = None  # made in the loop that runs the requests (aiohttp's rule)
 
     def _http(self):
@@ -86,6 +95,7 @@ class OpenAITarget:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=900.0),
                 connector=aiohttp.TCPConnector(limit=self._max_connections),
+                headers=self._headers,
             )
         return self._session
 

@@ -48,7 +48,7 @@ def build_app(args: dict | None = None):
         deployment = serve.deployment(TritonReplica).options(**replica_options(model))
         replicas[model.id] = deployment.bind(model, metrics_collector=collector)
     ingress = serve.deployment(OpenAIIngress).options(**ingress_options(config))
-    return ingress.bind(replicas, config, collector, response_store(config))
+    return ingress.bind(replicas, config, collector, response_store(config), fair_seats(config))
 
 
 def check_tenants_file(config: AppConfig) -> None:
@@ -226,6 +226,30 @@ def _batch_size(model: ModelConfig) -> int:
         full = model.deployment.max_ongoing_requests or VLLM_DEFAULT_BATCH
         return engine_kwargs.get("max_num_seqs", full)
     return repository.engine_batch_size(model.triton.repository_path(), model.engine_model())
+
+
+def fair_seats(config: AppConfig) -> dict[str, int]:
+    """Each generate model's seats in one ingress replica (serve/api/fairness.py): what
+    its replicas run at their autoscaling target (the engine's batch by default) and
+    their most replicas, shared among the ingress replicas. Past them requests wait in
+    the ingress, in fair order, rather than in Serve's and the engines' queues, first
+    come first served. A model still scaling out gets its most replicas' seats: the
+    requests the replicas running cannot take queue in Serve, where the autoscaler sees
+    them. Empty: fair shares off."""
+    if not config.fair_shares:
+        return {}
+    seats = {}
+    for model in config.models:
+        if model.task != "generate":
+            continue
+        deployment = model.deployment
+        if deployment.num_replicas is not None:
+            per_replica, replicas = _batch_size(model), deployment.num_replicas
+        else:
+            scaling = autoscaling(model)
+            per_replica, replicas = scaling.target_ongoing_requests, scaling.max_replicas
+        seats[model.id] = max(1, math.ceil(per_replica * replicas / config.ingress.num_replicas))
+    return seats
 
 
 def ingress_options(config: AppConfig) -> dict[str, Any]:

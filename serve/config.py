@@ -477,6 +477,13 @@ class AppConfig(_Strict):
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     rate_limits: RateLimitsConfig = Field(default_factory=RateLimitsConfig)
     ingress: IngressOptions = Field(default_factory=IngressOptions)
+    fair_shares: bool = Field(
+        True,
+        description="layout ingress: while a model's replicas are at capacity, the "
+        "ingress admits its requests by priority, then by tenant in proportion to the "
+        "tenants' weights (deficit round robin over tokens), so that one tenant's flood "
+        "waits in its own queue; false: first come, first served",
+    )
     layout: Literal["ingress", "direct"] = Field(
         "ingress",
         description="ingress: an OpenAIIngress deployment routes each request to its "

@@ -123,6 +123,15 @@ class RequestMetrics:
             ("tenant", "kind"),
             registry=registry,
         )
+        self.tenant_queue = Histogram(
+            "tritonllm_tenant_queue_seconds",
+            "how long a request waited in the ingress for its fair share of the model's "
+            "engines (0: a seat was free), by tenant (default: plain keys, open API) and "
+            "model",
+            ("tenant", "model"),
+            registry=registry,
+            buckets=[0.0, *_LATENCY_BOUNDARIES],
+        )
         self.running = Gauge(
             "tritonllm_requests_running",
             "generations that have streamed their first text and not ended",
@@ -195,6 +204,11 @@ class RequestMetrics:
             self.tenant_requests.labels(tenant, str(status)).inc()
         if model:
             self.e2e_latency.labels(model).observe(seconds)
+
+    def queue_wait(self, model: str) -> Callable[[str, float], None]:
+        """What a model's fair queue calls with each request's wait for its seat."""
+        histogram = self.tenant_queue
+        return lambda tenant, seconds: histogram.labels(tenant, model).observe(seconds)
 
     def text(self) -> str:
         """This registry's Prometheus text, without the ``<name>_created`` gauges that

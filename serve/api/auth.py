@@ -21,6 +21,7 @@ from fastapi import Request
 from serve.api.errors import Unauthorized
 from serve.api.keyring import ANYONE, Caller, Keyring
 from serve.api.limits import RateLimited, TooManyAtOnce
+from serve.api.middleware import on_answer_end
 from serve.config import APIKeys
 
 
@@ -104,8 +105,8 @@ async def _admit_anyone(request: Request, keyring: Keyring) -> None:
 async def _admit(request: Request) -> None:
     """Holds the caller's tenant to its requests per minute (the quota goes in
     ``request.state.quotas`` for the headers of the answer, 429s included) and to its
-    requests at once (a seat, given back when the answer has ended: ``request.state.leave``,
-    which serve.api.middleware.RequestRecorder calls); a 429 past either. Its tokens per
+    requests at once (a seat, given back when the answer has ended:
+    serve.api.middleware.on_answer_end); a 429 past either. Its tokens per
     minute are held where a request reaches an engine (serve/api/metered.py)."""
     tenant = caller(request)
     buckets = getattr(request.app.state, "buckets", None)
@@ -121,7 +122,7 @@ async def _admit(request: Request) -> None:
         ticket = await buckets.enter(seats, tenant.max_concurrent_requests)
         if ticket is None:
             raise TooManyAtOnce(tenant.tenant, tenant.max_concurrent_requests)
-        request.state.leave = functools.partial(buckets.leave, seats, ticket)
+        on_answer_end(request, functools.partial(buckets.leave, seats, ticket))
 
 
 def _let_in(keyring: Keyring, given: list[str]) -> Caller:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from serve.api.fairness import FairQueue
 from serve.api.response_store import ResponseStore
 from serve.api.sampling import SamplingDefaults
 from serve.api.token_texts import TokenTexts
@@ -28,6 +29,9 @@ class Embeddings:
 class Backend(Protocol):
     config: AppConfig
     response_store: ResponseStore | None  # None: the operator keeps no responses
+    # The seats of each model's engines this process shares fairly between tenants
+    # (serve/api/fairness.py); a model not in it, or an empty dict: fair shares off.
+    fair_queues: dict[str, FairQueue]
 
     def chat_prompt(
         self, model: ModelConfig, messages: list[dict], tools: list[dict] | None = None

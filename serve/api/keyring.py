@@ -64,6 +64,7 @@ class Caller:
     tokens_per_minute: int | None = None  # prompt + max_tokens reserved, then settled
     max_concurrent_requests: int | None = None  # answers under way at once
     priority: int | None = None  # its requests' default and most urgent; None: no bound
+    weight: float = 1.0  # its share of a model's engines at capacity (serve/api/fairness.py)
 
     def priority_of(self, requested: int | None) -> int:
         """A request's priority (vLLM's order: lower is admitted first): what it asks,
@@ -103,6 +104,13 @@ class Tenant(BaseModel):
         description="its requests' default priority and the most urgent they may ask "
         "for (lower first, as vLLM's); absent: 0, and any a request asks",
     )
+    weight: float = Field(
+        1.0,
+        gt=0,
+        le=1000,
+        description="its share of a model's engines while they are at capacity, against "
+        "the other tenants' weights (tokens, by deficit round robin)",
+    )
 
     @model_validator(mode="after")
     def _keys_unless_default(self) -> Tenant:
@@ -124,6 +132,7 @@ class Tenant(BaseModel):
             self.tokens_per_minute,
             self.max_concurrent_requests,
             self.priority,
+            self.weight,
         )
 
     @field_validator("keys")

@@ -1,4 +1,8 @@
-"""A tenant's tokens per minute, held around each engine request, as OpenAI counts its
+"""The app's backend as one request sees it: :class:`MeteredBackend` holds a tenant's
+tokens per minute, :class:`SeatedBackend` its fair share of a model's engines
+(serve/api/fairness.py).
+
+A tenant's tokens per minute are held around each engine request, as OpenAI counts its
 own: a request takes what it may use from the tenant's bucket before an engine sees it
 (its prompt and its ``max_tokens``: a 429 when the bucket does not hold that much), and
 once it has ended what it did use (the engine's own counts, prompt and answer) settles
@@ -12,6 +16,7 @@ a token until the engine's count settles it. A prompt of token ids counts its id
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -19,8 +24,10 @@ from contextlib import aclosing
 from fastapi import Request
 
 from serve.api.backend import Backend, Embeddings
+from serve.api.fairness import Seat
 from serve.api.keyring import Caller
 from serve.api.limits import Buckets, RateLimited, in_background
+from serve.api.middleware import on_answer_end
 from serve.config import ModelConfig
 from serve.generation import GenerateParams, GenerationChunk
 
@@ -118,3 +125,45 @@ class MeteredBackend:
         used = prompt + completion
         if self._per_minute is not None and used != reserved:
             in_background(self._buckets.settle(self._bucket, self._per_minute, used - reserved))
+
+
+class SeatedBackend:
+    """The app's backend as one request sees it with fair shares on: its first
+    generation waits for a seat of its model's :class:`FairQueue` (models without one,
+    embeddings', go at once), which the request holds until its answer has ended; the
+    rest is the app's backend's. Nothing is added per token: the seat is given back by
+    serve.api.middleware.RequestRecorder, not by a wrapper of the stream."""
+
+    def __init__(self, backend: Backend, request: Request, caller: Caller):
+        self._backend, self._request, self._caller = backend, request, caller
+        self._seat: Seat | None = None
+        self._seating = asyncio.Lock()  # a request's choices may start together
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
+
+    async def start(
+        self, model: ModelConfig, params: GenerateParams
+    ) -> tuple[GenerationChunk, AsyncIterator[GenerationChunk]]:
+        await self._seated(model, params)
+        return await self._backend.start(model, params)
+
+    async def collect(
+        self, model: ModelConfig, params: GenerateParams
+    ) -> tuple[str, GenerationChunk]:
+        await self._seated(model, params)
+        return await self._backend.collect(model, params)
+
+    async def _seated(self, model: ModelConfig, params: GenerateParams) -> None:
+        queue = self._backend.fair_queues.get(model.id)
+        if queue is None:
+            return
+        cost = prompt_tokens(params) + params.max_tokens
+        async with self._seating:
+            if self._seat is None:
+                caller = self._caller
+                priority = caller.priority_of(params.priority)
+                self._seat = await queue.seat(caller.tenant, caller.weight, priority, cost)
+                on_answer_end(self._request, self._seat.give_back)
+                return
+        self._seat.widen(cost)

@@ -7,8 +7,11 @@ through untouched and a client's disconnect still reaches the route.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
+from collections.abc import Callable
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.api.errors import TooLarge, error_response, route_path, speaks_anthropic
@@ -75,13 +78,24 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
+def on_answer_end(request: Request, give_back: Callable[[], object]) -> None:
+    """Calls ``give_back`` (awaited in the background where it is async) once the
+    request's answer has ended, streamed or whole, or its client left:
+    :class:`RequestRecorder` does."""
+    ends = getattr(request.state, "on_end", None)
+    if ends is None:
+        request.state.on_end = ends = []
+    ends.append(give_back)
+
+
 class RequestRecorder:
     """Calls ``app.state.record_response(scope, status, seconds)`` once a response's
     last byte is out or the client left (status 499, as nginx logs it); routes put
     the request's model in ``request.state.model``. At the response's start it adds
     the rate-limit headers of the tenant's limit the request was held to
     (``request.state.quotas``): one wrapper of ``send`` for both, since every chunk of
-    a stream goes through it."""
+    a stream goes through it. At the end it gives back the seats the request held
+    (:func:`on_answer_end`)."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -111,8 +125,9 @@ class RequestRecorder:
             status = 499
             raise
         finally:
-            leave = scope.get("state", {}).get("leave")  # a seat of the tenant's at once
-            if leave is not None:
-                in_background(leave())
+            for give_back in scope.get("state", {}).get("on_end", ()):
+                ended = give_back()  # seats: the tenant's at once, a fair share's
+                if inspect.isawaitable(ended):
+                    in_background(ended)
             if record is not None:
                 record(scope, status, time.monotonic() - start)

@@ -19,7 +19,7 @@ from fastapi import Depends, Request
 from serve.api.auth import caller
 from serve.api.backend import Backend
 from serve.api.errors import APIError, NotFound
-from serve.api.metered import MeteredBackend
+from serve.api.metered import MeteredBackend, SeatedBackend
 from serve.api.schemas import MAX_CHOICES, ChatCompletionRequest, SamplingFields
 from serve.api.structured import Guide, tool_guide
 from serve.api.tool_parsers import SYNTAXES, CallSyntax
@@ -28,12 +28,15 @@ from serve.generation import GenerateParams
 
 
 async def _backend(request: Request) -> Backend:
-    """The app's backend, as the caller's tenant sees it: its tokens counted, and held to
-    its tokens per minute where it has that limit (serve/api/metered.py). An open API's
-    requests have no tenant to count for."""
+    """The app's backend, as the request's caller sees it: its fair share of each model
+    where fair shares are on (any caller, an open API's too: priorities), and for a
+    keyed caller its tokens counted, and held to its tokens per minute where it has that
+    limit (serve/api/metered.py)."""
     # async: FastAPI runs a plain function dependency in its thread pool, a thread
     # hop per request.
     backend = request.app.state.backend
+    if backend.fair_queues:
+        backend = SeatedBackend(backend, request, caller(request))
     tenant = getattr(request.state, "caller", None)  # set by a key that let it in
     if tenant is None:
         return backend

@@ -33,6 +33,7 @@ from serve.api.auth import app_keyring
 from serve.api.backend import Embeddings
 from serve.api.chat_template import render_chat_prompt
 from serve.api.errors import APIError, InternalError, NotFound, Overloaded
+from serve.api.fairness import FairQueue
 from serve.api.http import create_app
 from serve.api.limits import Buckets, MemoryBuckets, RedisBuckets
 from serve.api.response_store import ResponseStore
@@ -175,6 +176,7 @@ class ApiBackend:
     ) -> None:
         """``tokenizers``: those this process has loaded already, by model id."""
         self.config = config
+        self.fair_queues = {}  # OpenAIIngress's, where fair shares are on
         # response_store: the DeploymentHandle of the app's memory store (store: memory).
         self.response_store: ResponseStore | None = open_response_store(
             config.responses, response_store
@@ -395,10 +397,20 @@ class OpenAIIngress(ApiBackend):
     that model's deployment, over a streaming DeploymentHandle."""
 
     async def __init__(
-        self, replicas: dict, config: AppConfig, metrics_collector=None, response_store=None
+        self,
+        replicas: dict,
+        config: AppConfig,
+        metrics_collector=None,
+        response_store=None,
+        fair_seats: dict[str, int] | None = None,
     ):
+        """``fair_seats``: each model's seats in this replica (serve.app.fair_seats)."""
         self.replicas = replicas  # model id -> DeploymentHandle of its Triton replicas
         self._start_api(config, metrics_collector, response_store)
+        self.fair_queues = {
+            model_id: FairQueue(seats, self.metrics.queue_wait(model_id))
+            for model_id, seats in (fair_seats or {}).items()
+        }
 
     async def _attempt(
         self, model: ModelConfig, params: GenerateParams

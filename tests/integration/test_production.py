@@ -585,12 +585,21 @@ def keyed_app(cluster, built_repository, tmp_path, redis, schemathesis) -> None:
 
     def tenant_d_counted() -> bool:  # the engines' counts, in both replicas' figures
         text = httpx.get(f"{cluster.url}/metrics", headers=auth, timeout=30).text
-        return used == sum(
-            sample.value
+        samples = [
+            sample
             for family in text_string_to_metric_families(text)
             for sample in family.samples
-            if sample.name == "tritonllm_tenant_tokens_total" and sample.labels["tenant"] == "d"
+            if sample.labels.get("tenant") == "d"
+        ]
+        tokens = sum(s.value for s in samples if s.name == "tritonllm_tenant_tokens_total")
+        # Each answered request took a seat of the model's fair queue (a 429 none).
+        seated = sum(
+            s.value
+            for s in samples
+            if s.name == "tritonllm_tenant_queue_seconds_count" and s.labels["model"] == MODEL
         )
+        answered = sum(a.status_code == 200 for a in answers) + 1
+        return (tokens, seated) == (used, answered)
 
     wait_for(tenant_d_counted, 30, "tenant d's tokens in /metrics")
 

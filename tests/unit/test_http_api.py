@@ -87,6 +87,7 @@ class FakeBackend:
         self.waiting: dict[str, str] = {}  # what not_ready() answers: model id -> reason
         self.alternatives = True  # top-k and prompt log probabilities (not TensorRT-LLM)
         self.response_store = None  # /v1/responses keeps nothing (tests give it a store)
+        self.fair_queues = {}  # fair shares off (tests give it queues)
         self.tenant_tokens: dict[str, list[int]] = {}  # tenant: [prompt, completion]
 
     def chat_prompt(self, model, messages, tools=None):

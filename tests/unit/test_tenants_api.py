@@ -9,6 +9,7 @@ import textwrap
 import pytest
 from fastapi.testclient import TestClient
 
+from serve.api.fairness import FairQueue
 from serve.api.http import create_app
 from serve.api.keyring import RELOAD_S, Keyring
 from serve.api.response_store import MemoryStore
@@ -150,3 +151,28 @@ def test_the_default_tenant_s_limits_hold_an_open_api_and_the_plain_keys(tmp_pat
         assert answers[1].headers["x-ratelimit-remaining-requests"] == "0"
         assert error_of(answers[2], 429)["code"] == "rate_limit_exceeded"
         assert backend.params[-1].priority == 3
+
+
+def test_fair_shares_seat_each_request_once_whatever_its_prompts_and_give_it_back(tenants):
+    """A request holds one seat of its model's queue however many engine calls it makes
+    (with a seat per call, one with more prompts than seats waited for itself), and
+    gives it back when its answer has ended, streamed or whole, keyed or open."""
+    waits = []
+    queue = FairQueue(1, lambda tenant, seconds: waits.append(tenant))
+    for keyring, headers, tenant in (
+        (Keyring(tenants_file=tenants, model_ids=["llm", "emb"]), bearer("chat-1"), "chat"),
+        (Keyring(), {}, "default"),
+    ):
+        backend = FakeBackend()
+        backend.fair_queues = {"llm": queue}
+        client = TestClient(create_app(backend, keyring), raise_server_exceptions=False)
+        waits.clear()
+        many = {"model": "llm", "prompt": ["a b", "c d", "e f"], "n": 2, "max_tokens": 2}
+        for stream in (False, True):
+            answer = client.post("/v1/completions", json=many | {"stream": stream}, headers=headers)
+            assert answer.status_code == 200, answer.text
+            assert queue.taken == 0
+        chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "n": 3}
+        answer = client.post("/v1/chat/completions", json=chat, headers=headers)
+        assert answer.status_code == 200 and len(answer.json()["choices"]) == 3
+        assert queue.taken == 0 and waits == [tenant] * 3
