@@ -230,8 +230,9 @@ def _batch_size(model: ModelConfig) -> int:
 
 def fair_seats(config: AppConfig) -> dict[str, int]:
     """Each generate model's seats in one ingress replica (serve/api/fairness.py): what
-    its replicas run at their autoscaling target (the engine's batch by default) and
-    their most replicas, shared among the ingress replicas. Past them requests wait in
+    its replicas run at their autoscaling target (the engine's batch by default; with
+    ``num_replicas``, the batch; never past ``max_ongoing_requests``) and their most
+    replicas, shared among the ingress replicas. Past them requests wait in
     the ingress, in fair order, rather than in Serve's and the engines' queues, first
     come first served. A model still scaling out gets its most replicas' seats: the
     requests the replicas running cannot take queue in Serve, where the autoscaler sees
@@ -248,6 +249,7 @@ def fair_seats(config: AppConfig) -> dict[str, int]:
         else:
             scaling = autoscaling(model)
             per_replica, replicas = scaling.target_ongoing_requests, scaling.max_replicas
+        per_replica = min(per_replica, max_ongoing_requests(model))  # what a replica takes
         seats[model.id] = max(1, math.ceil(per_replica * replicas / config.ingress.num_replicas))
     return seats
 

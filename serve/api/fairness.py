@@ -24,6 +24,9 @@ ended.
      whatever their requests' sizes or numbers;
   3. within a tenant and a priority, first come, first served.
 
+- Past the model's ``max_queued_requests`` waiting, a request gets the 503 with
+  ``Retry-After`` that Serve's own full queue gives.
+
 Written here, not taken from a library: Serve's request routers choose a replica for a
 request they already hold (they cannot keep one tenant's request behind another's),
 and no maintained Python package does weighted DRR with priority bands over asyncio.
@@ -37,9 +40,16 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from serve.api.errors import Overloaded
+
 # Tokens a tenant of weight 1 may send per turn: about one prompt and answer, so a
 # turn is a request or two and tenants alternate closely.
 QUANTUM = 1024
+
+
+class QueueFull(Overloaded):
+    """A model's fair queue holds ``max_waiting`` requests already: a 503 to retry, as
+    Serve's own full queue is."""
 
 
 def _future() -> asyncio.Future:
@@ -110,18 +120,24 @@ class _Account:
 class FairQueue:
     """The seats of one model in this ingress replica (see the module's docstring)."""
 
-    def __init__(self, seats: int, on_wait: Callable[[str, float], None] | None = None):
-        """``on_wait(tenant, seconds)``: each request's wait for its seat (0: at once)."""
+    def __init__(
+        self,
+        seats: int,
+        max_waiting: int = -1,
+        on_wait: Callable[[str, float], None] | None = None,
+    ):
+        """``max_waiting``: requests past it get a 503 rather than wait (the model's
+        ``max_queued_requests``, which Serve's queue, behind this one, would have held;
+        -1: no bound); ``on_wait(tenant, seconds)``: each request's wait for its seat (0:
+        at once)."""
         self.seats = seats
         self.taken = 0
+        self.waiting = 0
+        self._max_waiting = max_waiting
         self._bands: dict[int, _Band] = {}
         self._accounts: dict[str, _Account] = {}  # the tenants holding or waiting
         self._weights = 0.0  # theirs, together
         self._on_wait = on_wait or (lambda tenant, seconds: None)
-
-    @property
-    def waiting(self) -> int:
-        return sum(a.waiting for a in self._accounts.values())
 
     async def seat(self, tenant: str, weight: float, priority: int, cost: int) -> Seat:
         """A seat for a request of ``tenant`` costing ``cost`` tokens: at once while one
@@ -133,10 +149,16 @@ class FairQueue:
             self._take(account, 1)
             self._on_wait(tenant, 0.0)
             return Seat(self, tenant)
+        if 0 <= self._max_waiting <= self.waiting:
+            self._settle(tenant)
+            raise QueueFull(
+                f"the model's replicas are all busy and {self.waiting} requests wait; retry"
+            )
         start = time.monotonic()
         waiter = _Waiter(tenant, weight, cost)
         self._bands.setdefault(priority, _Band()).push(waiter)
         account.waiting += 1
+        self.waiting += 1
         try:
             await waiter.granted
         except asyncio.CancelledError:
@@ -179,6 +201,7 @@ class FairQueue:
             if not band.queues:
                 del self._bands[priority]
         self._accounts[waiter.tenant].waiting -= 1
+        self.waiting -= 1
         self._settle(waiter.tenant)
 
     def _widen(self, tenant: str, cost: int) -> None:
@@ -200,6 +223,7 @@ class FairQueue:
                 continue
             account = self._accounts[waiter.tenant]
             account.waiting -= 1
+            self.waiting -= 1
             self._take(account, 1)
             waiter.granted.set_result(None)
 

@@ -408,7 +408,11 @@ class OpenAIIngress(ApiBackend):
         self.replicas = replicas  # model id -> DeploymentHandle of its Triton replicas
         self._start_api(config, metrics_collector, response_store)
         self.fair_queues = {
-            model_id: FairQueue(seats, self.metrics.queue_wait(model_id))
+            model_id: FairQueue(
+                seats,
+                config.model(model_id).deployment.max_queued_requests,
+                self.metrics.queue_wait(model_id),
+            )
             for model_id, seats in (fair_seats or {}).items()
         }
 

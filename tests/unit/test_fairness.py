@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve.api.fairness import QUANTUM, FairQueue
+from serve.api.fairness import QUANTUM, FairQueue, QueueFull
 from serve.api.keyring import Caller
 from serve.api.metered import SeatedBackend
 from serve.app import fair_seats
@@ -54,7 +54,7 @@ async def _serve_one_at_a_time(tasks, granted: list[int], count: int) -> None:
 @_in_a_loop
 async def test_a_free_seat_is_taken_at_once_and_the_rest_wait_first_come_first_served():
     waits = []
-    queue = FairQueue(2, lambda tenant, seconds: waits.append((tenant, seconds)))
+    queue = FairQueue(2, on_wait=lambda tenant, seconds: waits.append((tenant, seconds)))
     first = await queue.seat("a", 1.0, 0, 10)
     second = await queue.seat("a", 1.0, 0, 10)
     assert queue.taken == 2 and waits == [("a", 0.0), ("a", 0.0)]
@@ -188,6 +188,26 @@ async def test_a_request_of_several_engine_calls_never_waits_holding_a_seat():
     await asyncio.sleep(0)
     assert granted == [0] and queue.taken == 1
     (await tasks[0]).give_back()
+
+
+@_in_a_loop
+async def test_past_max_waiting_a_request_gets_the_503_of_a_full_queue():
+    queue = FairQueue(1, max_waiting=2)
+    holder = await queue.seat("a", 1.0, 0, 1)
+    tasks, granted = await _queued(queue, [("a", 1.0, 0, 1)] * 2)
+    with pytest.raises(QueueFull) as refused:
+        await queue.seat("a", 1.0, 0, 1)
+    assert refused.value.status == 503 and refused.value.headers() == {"Retry-After": "1"}
+    tasks[0].cancel()
+    await asyncio.sleep(0)
+    waiting = asyncio.create_task(queue.seat("a", 1.0, 0, 1))  # room again
+    await asyncio.sleep(0)
+    assert queue.waiting == 2 and not waiting.done()
+    holder.give_back()
+    await asyncio.sleep(0)
+    assert granted == [1]
+    for task in [*tasks, waiting]:
+        task.cancel()
 
 
 class _Engine:

@@ -158,7 +158,7 @@ def test_fair_shares_seat_each_request_once_whatever_its_prompts_and_give_it_bac
     (with a seat per call, one with more prompts than seats waited for itself), and
     gives it back when its answer has ended, streamed or whole, keyed or open."""
     waits = []
-    queue = FairQueue(1, lambda tenant, seconds: waits.append(tenant))
+    queue = FairQueue(1, on_wait=lambda tenant, seconds: waits.append(tenant))
     for keyring, headers, tenant in (
         (Keyring(tenants_file=tenants, model_ids=["llm", "emb"]), bearer("chat-1"), "chat"),
         (Keyring(), {}, "default"),
