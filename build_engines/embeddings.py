@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from build_engines import templates
-from build_engines.repository import EmbeddingRepository, link_or_copy
+from build_engines.repository import EmbeddingRepository, link_or_copy, write_if_changed
 from build_engines.targets.base import BuildReport, DynamicBatching, Reporter
 from tritonllm import contract
 from tritonllm.embeddings import read_pipeline
@@ -101,4 +101,4 @@ def fill_config(options: EmbeddingsOptions, repo: EmbeddingRepository, model_ref
     }
     template = repo.template_path(contract.EMBEDDINGS, "embeddings")
     text = templates.fill(template, contract.EMBEDDINGS, values)
-    repo.config_path(contract.EMBEDDINGS).write_text(text)
+    write_if_changed(repo.config_path(contract.EMBEDDINGS), text)

@@ -80,7 +80,9 @@ class ModelRepository:
         return manifest.get("model") == model_fingerprint and (checkpoint / "config.json").is_file()
 
     def write_manifest(self, manifest: dict) -> None:
-        (self.root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        write_if_changed(
+            self.root / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+        )
 
     def generated_paths(self) -> list[Path]:
         """Everything a build writes (all git-ignored); the tracked files stay."""
@@ -136,3 +138,18 @@ def link_or_copy(source: Path, destination: Path, files: Iterable[Path]) -> None
             os.link(path, target)
         except OSError:  # another file system: copy instead
             shutil.copy2(path, target)
+
+
+def write_if_changed(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` unless the file holds it already, through a temporary
+    file renamed over it: an up-to-date build leaves the repository as it was, and a
+    Triton reading a config while another build refills it (two test runs side by side)
+    never reads half a file."""
+    try:
+        if path.read_text() == text:
+            return
+    except FileNotFoundError:
+        pass
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)

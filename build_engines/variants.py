@@ -25,7 +25,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from build_engines import templates
-from build_engines.repository import ModelRepository
+from build_engines.repository import ModelRepository, write_if_changed
 from build_engines.targets.base import BuildReport, EngineOptions, Reporter
 from build_engines.targets.torch_engine import (
     RAGGED,
@@ -115,7 +115,7 @@ def build_variants(
         )
         template = source.template_path(model, "torch")
         text = templates.fill(template, model, values[model], ragged=model in RAGGED)
-        repo.config_path(model).write_text(text)
+        write_if_changed(repo.config_path(model), text)
     for name, checkpoint in checkpoints.items():
         _write_variant(source, repo, name, checkpoint, options)
     repo.write_manifest({"variants": {n: str(p) for n, p in checkpoints.items()}})
@@ -141,11 +141,11 @@ def _write_variant(
         contract.TENSORRT_LLM,
         values[contract.TENSORRT_LLM],
     )
-    repo.config_path(engine).write_text(_renamed(text, engine))
+    write_if_changed(repo.config_path(engine), _renamed(text, engine))
     (repo.model_dir(ensemble) / "1").mkdir(parents=True)
     text = templates.fill(
         source.template_path(contract.ENSEMBLE, "torch"),
         contract.ENSEMBLE,
         values[contract.ENSEMBLE],
     )
-    repo.config_path(ensemble).write_text(_renamed(text, ensemble, engine))
+    write_if_changed(repo.config_path(ensemble), _renamed(text, ensemble, engine))

@@ -2,7 +2,15 @@
 # `make test` after its venv and Redis: the unit tests while the integration tests'
 # environments install (virtualenvs of their own, mostly download and unpacking; their
 # output goes to build/test-envs.log, shown if one fails), then the integration tests.
-# Arguments go to both pytest runs; pytest's exit 5 (nothing selected: arguments naming
+#
+# The integration tests run in two pytest runs side by side, whose output interleaves
+# (each line prefixed with its part): the modules that start their own clusters and
+# stacks, and those on one session cluster (tests/integration/conftest.py). They wait on
+# process starts much of their time, so on two cores the pair takes about two thirds
+# of one run after the other. Then the `quiet` modules, whose checks bound times, with
+# nothing beside them. The repositories are built first, once, for all of them.
+#
+# Arguments go to every pytest run; pytest's exit 5 (nothing selected: arguments naming
 # a file of one kind only) counts as a pass. Exits with the first failure's status.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,19 +20,40 @@ mkdir -p build
 
 "$MAKE" --no-print-directory -j3 vllm-env aiperf-env lm-eval-env >build/test-envs.log 2>&1 &
 envs=$!
-trap 'kill "$envs" 2>/dev/null' EXIT
+pids=("$envs")
+trap 'kill "${pids[@]}" 2>/dev/null' EXIT
 
+statuses=()
 "$PY" -m pytest -m 'not integration' "$@"
-unit=$?
+statuses+=($?)
 if ! wait "$envs"; then
     cat build/test-envs.log
     echo "make test: the integration tests' environments did not install (above)" >&2
     exit 1
 fi
-"$PY" -m pytest -m integration "$@"
-integration=$?
+"$PY" -c 'from tests.conftest import build_repository as llm, build_embedding_repository as e
+llm(); e()' || exit 1
 
-for status in "$unit" "$integration"; do
+# One part of the integration tests, its lines prefixed; its status in build/test-PART.rc.
+part() {
+    local name=$1
+    shift
+    (PYTHONUNBUFFERED=1 "$PY" -m pytest -m 'integration and not quiet' \
+        --integration-part "$name" "$@" 2>&1; echo $? >"build/test-$name.rc") |
+        sed -u "s/^/$name | /"
+}
+part own-stacks "$@" &
+pids+=($!)
+part session-cluster "$@" &
+pids+=($!)
+wait "${pids[@]:1}"
+for name in own-stacks session-cluster; do
+    statuses+=("$(cat "build/test-$name.rc" 2>/dev/null || echo 1)")
+done
+"$PY" -m pytest -m 'integration and quiet' "$@"
+statuses+=($?)
+
+for status in "${statuses[@]}"; do
     if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then
         exit "$status"
     fi

@@ -109,6 +109,16 @@ def sentence_transformer(embedding_model_dir):
     return SentenceTransformer(str(embedding_model_dir), device="cpu")
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--integration-part",
+        choices=("own-stacks", "session-cluster"),
+        default=None,
+        help="only the integration modules that start their own clusters and stacks, or "
+        "only those on the session's cluster (scripts/test.sh runs the two side by side)",
+    )
+
+
 def pytest_configure(config) -> None:
     # Set once per run, before any test starts a process (a worker of a distributed
     # run keeps its controller's value).

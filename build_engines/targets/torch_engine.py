@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from build_engines import default_model, templates
-from build_engines.repository import ModelRepository
+from build_engines.repository import ModelRepository, write_if_changed
 from build_engines.targets.base import (
     BuildReport,
     BuildSpec,
@@ -128,7 +128,7 @@ class TorchTarget:
         for model, values in values_of.items():
             template = repo.template_path(model, TorchTarget.name)
             text = templates.fill(template, model, values, ragged=model in RAGGED)
-            repo.config_path(model).write_text(text)
+            write_if_changed(repo.config_path(model), text)
 
 
 def tokenizer_step_values(

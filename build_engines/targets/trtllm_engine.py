@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from build_engines import default_model, templates
-from build_engines.repository import ModelRepository
+from build_engines.repository import ModelRepository, write_if_changed
 from build_engines.targets.base import BuildReport, BuildSpec, DynamicBatching, Reporter
 from build_engines.targets.torch_engine import (
     RAGGED,
@@ -259,4 +259,4 @@ def fill_configs(
             ragged=model in RAGGED,
             engine_extensions=(),
         )
-        repo.config_path(model).write_text(text)
+        write_if_changed(repo.config_path(model), text)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import yaml
 
 from build_engines import default_model, templates
-from build_engines.repository import ModelRepository, link_or_copy
+from build_engines.repository import ModelRepository, link_or_copy, write_if_changed
 from build_engines.targets.base import BuildReport, BuildSpec, DynamicBatching, Reporter
 from build_engines.targets.torch_engine import (
     RAGGED,
@@ -160,4 +160,4 @@ def fill_configs(
         text = templates.fill(
             template, model, model_values, ragged=model in RAGGED, engine_extensions=EXTENSIONS
         )
-        repo.config_path(model).write_text(text)
+        write_if_changed(repo.config_path(model), text)

@@ -31,11 +31,13 @@ def one_replica_app(cluster, built_repository) -> str:
     return cluster.url
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """The modules on the session's cluster run last, those on ``one_replica_app``
     first among them: the cluster starts with the first of them, and idles through no
     other module's own stacks (an idle cluster and its app take about a fifth of a core
-    here). A module moves whole, so its module-scoped fixtures are set up once."""
+    here). A module moves whole, so its module-scoped fixtures are set up once. With
+    ``--integration-part``, only the modules of that part are kept (a module that uses
+    the session's cluster in any test belongs to it)."""
     order: dict = {}
     for item in items:
         if "one_replica_app" in item.fixturenames:
@@ -43,6 +45,13 @@ def pytest_collection_modifyitems(items):
         elif "cluster" in item.fixturenames:
             order.setdefault(item.module, 2)
     items.sort(key=lambda item: order.get(item.module, 0))
+    part = config.getoption("--integration-part")
+    if part is None:
+        return
+    on_cluster = part == "session-cluster"
+    left = [item for item in items if (item.module in order) != on_cluster]
+    config.hook.pytest_deselected(items=left)
+    items[:] = [item for item in items if (item.module in order) == on_cluster]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -24,7 +24,8 @@ from tests.integration.abandon import IDLE_WITHIN_S, SHORT_WITHIN_S, abandon_the
 from tests.integration.repositories import repository_with_limits
 from tests.unit.test_embeddings import SENTENCES, cosine
 
-pytestmark = pytest.mark.integration
+# quiet: the engine freed within seconds of a client leaving is a time bound.
+pytestmark = [pytest.mark.integration, pytest.mark.quiet]
 MODEL = "tritonllm-default"
 
 

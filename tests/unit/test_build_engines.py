@@ -7,6 +7,7 @@ import json
 import pytest
 
 from build_engines.cli import main
+from build_engines.repository import write_if_changed
 from build_engines.targets import choose_target
 from build_engines.targets.torch_engine import CheckpointError, validate_checkpoint
 from build_engines.targets.trtllm_engine import TrtllmTarget
@@ -129,3 +130,16 @@ def test_the_null_target_fills_the_torch_configs_with_the_null_engine(
     assert "--guide-compile-timeout-s 0.0: give a time in seconds above 0" in (
         capsys.readouterr().err
     )
+
+
+def test_a_config_is_written_only_when_it_changes_and_never_half(tmp_path):
+    """An up-to-date build leaves its files as they were (two test runs side by side
+    refill one repository while Tritons read it)."""
+    path = tmp_path / "config.pbtxt"
+    write_if_changed(path, "a")
+    before = path.stat()
+    write_if_changed(path, "a")
+    assert (path.stat().st_ino, path.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    write_if_changed(path, "b")
+    assert path.read_text() == "b" and path.stat().st_ino != before.st_ino  # renamed over
+    assert [p.name for p in tmp_path.iterdir()] == ["config.pbtxt"]
