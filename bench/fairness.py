@@ -3,9 +3,9 @@ priorities at saturation, with the ingress's fair shares on and off (serve/api/f
 
 One stack per setting, over the null engine (a benchmark instrument: no model math, a
 fixed step time, real token ids; ``make bench-capacity`` says more), with a tenants file
-of three tenants of weight 1. Its replica's autoscaling target is below the engine's
-batch (``--target`` of ``--max-batch-size``), as a deployment that keeps room for
-latency sets it: the fair queue's seats are the target, the rest of the batch is room.
+of three tenants of weight 1. Its replica's autoscaling target (``--target``: the fair
+queue's seats) is the engine's batch (``--max-batch-size``) unless given, as the app
+sets it by default; a target below the batch leaves the rest of it as room.
 The settings alternate, ``--rounds`` times (this machine's figures drift between runs;
 ratios taken in one round hold). In each round, each phase ``--seconds`` long:
 
@@ -277,7 +277,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-ms", type=float, default=20, help="the null engine's step time")
     p.add_argument("--max-batch-size", type=int, default=16, help="sequences per engine step")
     p.add_argument(
-        "--target", type=int, default=8, help="the replica's autoscaling target (the seats)"
+        "--target",
+        type=int,
+        default=None,
+        help="the replica's autoscaling target, the seats (default: the batch, as the app's)",
     )
     p.add_argument("--interactive-clients", type=int, default=2)
     p.add_argument(
@@ -291,6 +294,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-words", type=int, default=24, help="about 1.3 tokens per word")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "bench-fairness")
     args = p.parse_args(argv)
+    if args.target is None:
+        args.target = args.max_batch_size
     if args.flood_clients is None:
         args.flood_clients = 10 * max(1, args.target // 2)
     if args.priority_clients is None:

@@ -15,6 +15,7 @@ from tests.conftest import REPOSITORY
 
 
 def test_the_stack_has_the_tenants_and_its_target_as_seats(tmp_path):
+    assert fairness.parse_args(["--max-batch-size", "12"]).target == 12  # as the app's
     args = fairness.parse_args(["--target", "6", "--max-batch-size", "12"])
     assert (args.flood_clients, args.priority_clients) == (30, 30)  # 10x a share of 3
     tenants = tmp_path / "tenants.yaml"
