@@ -112,6 +112,7 @@ def test_a_tenant_s_keys_plain_or_hashed_share_its_name_models_and_responses(tmp
         ("tenants:\n  - name: a\n    keys: []\n", 2, "tenant 'a' has no keys"),
         ("tenants:\n  - name: a\n    priority: 1\n", 2, "tenant 'a' has no keys"),
         ("tenants:\n  - name: a\n    keys: [k1]\n    rpm: 5\n", 4, "rpm"),
+        ("tenants:\n  - name: a\n    keys: [k1]\n    weight: 0\n", 4, "greater than 0"),
         ("tenants:\n  - name: a b\n    keys: [k1]\n", 2, "pattern"),
         ("tenants:\n  - name: a\n    keys: ['sha256:abc']\n", 3, "64"),
         ("tenants: [\n", 1, "not YAML"),
@@ -190,3 +191,9 @@ def test_a_keys_file_the_replica_cannot_read_names_the_field_and_what_to_do(tmp_
     with pytest.raises(ValueError, match="api_keys: cannot read .*tenants.yaml") as refused:
         app_keyring(APIKeys(env=None, tenants_file=missing))
     assert "every node that runs an ingress replica" in str(refused.value)
+
+
+def test_a_tenants_weight_is_its_callers_and_one_by_default(tmp_path):
+    text = "tenants:\n  - name: a\n    keys: [a1]\n    weight: 2.5\n  - name: b\n    keys: [b1]\n"
+    keyring = Keyring(tenants_file=write(tmp_path / "t.yaml", text), model_ids=MODELS)
+    assert (keyring.caller("a1").weight, keyring.caller("b1").weight) == (2.5, 1.0)
