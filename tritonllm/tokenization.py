@@ -35,7 +35,7 @@ def load_tokenizer(tokenizer_dir: str, tokenizer_class: str = ""):
         kind = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         # Another transformers than the one that built the repository: it chooses.
-        log.warning("tokenizer class %s not in this transformers: AutoTokenizer", module)
+        log.warning("tokenizer class %s not in this transformers: AutoTokenizer", tokenizer_class)
         return load_tokenizer(tokenizer_dir)
     return kind.from_pretrained(tokenizer_dir, local_files_only=True)
 
