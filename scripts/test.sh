@@ -11,7 +11,8 @@
 # nothing beside them. The repositories are built first, once, for all of them.
 #
 # Arguments go to every pytest run; pytest's exit 5 (nothing selected: arguments naming
-# a file of one kind only) counts as a pass. Exits with the first failure's status.
+# a file of one kind only) counts as a pass. Ends with a summary of every stage's status
+# and its failed tests (a CI log shows its tail), and exits with the first failure's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -23,9 +24,17 @@ envs=$!
 pids=("$envs")
 trap 'kill "${pids[@]}" 2>/dev/null' EXIT
 
+stages=()
 statuses=()
-"$PY" -m pytest -m 'not integration' "$@"
-statuses+=($?)
+# A pytest run of one stage, its output also in build/test-STAGE.log for the summary.
+stage() {
+    local name=$1
+    shift
+    "$PY" -m pytest "$@" 2>&1 | tee "build/test-$name.log"
+    statuses+=("${PIPESTATUS[0]}")
+    stages+=("$name")
+}
+stage unit -m 'not integration' "$@"
 if ! wait "$envs"; then
     cat build/test-envs.log
     echo "make test: the integration tests' environments did not install (above)" >&2
@@ -34,13 +43,14 @@ fi
 "$PY" -c 'from tests.conftest import build_repository as llm, build_embedding_repository as e
 llm(); e()' || exit 1
 
-# One part of the integration tests, its lines prefixed; its status in build/test-PART.rc.
+# One part of the integration tests, its lines prefixed; its status in build/test-PART.rc,
+# its output in build/test-PART.log.
 part() {
     local name=$1
     shift
     (PYTHONUNBUFFERED=1 "$PY" -m pytest -m 'integration and not quiet' \
         --integration-part "$name" "$@" 2>&1; echo $? >"build/test-$name.rc") |
-        sed -u "s/^/$name | /"
+        tee "build/test-$name.log" | sed -u "s/^/$name | /"
 }
 rm -f build/test-own-stacks.rc build/test-session-cluster.rc  # a part that dies writes none
 part own-stacks "$@" &
@@ -50,12 +60,18 @@ pids+=($!)
 wait "${pids[@]:1}"
 for name in own-stacks session-cluster; do
     statuses+=("$(cat "build/test-$name.rc" 2>/dev/null || echo 1)")
+    stages+=("$name")
 done
-"$PY" -m pytest -m 'integration and quiet' "$@"
-statuses+=($?)
+stage quiet -m 'integration and quiet' "$@"
 
-for status in "${statuses[@]}"; do
+echo "make test: summary"
+failure=0
+for i in "${!stages[@]}"; do
+    status=${statuses[$i]}
+    echo "  ${stages[$i]}: exit $status"
     if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then
-        exit "$status"
+        grep -E '^(FAILED|ERROR) ' "build/test-${stages[$i]}.log" 2>/dev/null | sed 's/^/    /'
+        [ "$failure" -ne 0 ] || failure=$status
     fi
 done
+exit "$failure"
