@@ -42,7 +42,14 @@ def app_keyring(api_keys: APIKeys, model_ids: list[str] | None = None) -> Keyrin
 def caller(request: Request) -> Caller:
     """Whom the request's key let in (:data:`serve.api.keyring.ANYONE` on an open API,
     or on a route that needs no key)."""
-    return getattr(request.state, "caller", ANYONE)
+    return request_state(request, "caller", ANYONE)
+
+
+def request_state(request: Request, name: str, default=None):
+    """``request.state.<name>``, or ``default`` where the request has none: read from the
+    scope's dict behind ``request.state`` (Starlette's), whose ``getattr`` raises and
+    formats an ``AttributeError`` for every name not set, several times per request."""
+    return request.scope.get("state", {}).get(name, default)
 
 
 def key_owner(request: Request) -> str:

@@ -9,14 +9,14 @@ template, the limits, the output's guide and the call syntax are the same for al
 from __future__ import annotations
 
 import asyncio
-import uuid
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 
-from serve.api.auth import caller
+from serve.api.auth import caller, request_state
 from serve.api.backend import Backend
 from serve.api.errors import APIError, NotFound
 from serve.api.metered import MeteredBackend, SeatedBackend
@@ -37,7 +37,7 @@ async def _backend(request: Request) -> Backend:
     backend = request.app.state.backend
     if backend.fair_queues:
         backend = SeatedBackend(backend, request, caller(request))
-    tenant = getattr(request.state, "caller", None)  # set by a key that let it in
+    tenant = request_state(request, "caller")  # set by a key that let it in
     if tenant is None:
         return backend
     return MeteredBackend(backend, request, tenant, request.app.state.buckets)
@@ -88,7 +88,7 @@ def request_ids(request: Request, count: int) -> list[str]:
     random part, since a client-chosen id may repeat and Triton's ids must not (the
     postprocessing's detokenizer and a cancel are keyed by them)."""
     base = "".join(c for c in request.headers.get("x-request-id", "")[:64] if c.isprintable())
-    unique = uuid.uuid4().hex[:12]
+    unique = os.urandom(6).hex()  # what uuid4().hex[:12] was, without the UUID object
     return [f"{base}.{unique}.{i}" if base else f"{unique}.{i}" for i in range(count)]
 
 
