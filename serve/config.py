@@ -193,6 +193,12 @@ class DeploymentOptions(_Strict):
         description="at most this many replicas on one Ray node (1: a node's loss takes "
         "one replica); unset: no limit",
     )
+    access_log: bool | None = Field(
+        None,
+        description="Serve's access log line for each call a Triton model's replicas "
+        "serve; unset: on where they answer HTTP (layout: direct), off behind the "
+        "ingress, whose own line has the request's id, status and time",
+    )
 
     @model_validator(mode="after")
     def _one_scaling_mode(self) -> DeploymentOptions:

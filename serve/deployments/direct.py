@@ -36,7 +36,7 @@ class DirectReplica(ApiBackend):
         # The replica's Triton, and the same figures it publishes in the other layout
         # (here within this process's one publication: _metrics_text).
         self.triton = TritonReplica.__new__(TritonReplica)
-        await self.triton.__init__(model)
+        await self.triton.__init__(model, answers_http=True)
         # The API's tokenizer (chat template, migration) is the replica's own: one load.
         tokenizers = {model.id: self.triton.tokenizer}
         self._start_api(config, metrics_collector, response_store, tokenizers)

@@ -35,6 +35,28 @@ log = logging.getLogger("ray.serve")
 # How often a replica looks whether its Triton child process is alive (a waitpid).
 TRITON_WATCH_S = 0.2
 
+# Serve's logger, and the field its access lines carry (the `extra` of Serve's replica).
+SERVE_LOGGER = "ray.serve"
+ACCESS_LINE = "serve_access_log"
+
+
+def logs_access(model: ModelConfig, answers_http: bool) -> bool:
+    """Whether the replica writes Serve's access line for each call (deployment.access_log):
+    by default where it answers HTTP, not behind the ingress, whose own line has the
+    request's id, status and time. A line per call was about 2% of a Triton replica's
+    event loop at 256 streams (py-spy: its record's formatting and write)."""
+    setting = model.deployment.access_log
+    return answers_http if setting is None else setting
+
+
+def not_an_access_line(record: logging.LogRecord) -> bool:
+    """A filter of Serve's logger: it drops a record before any handler formats or writes
+    it. Serve's own switch (``logging_config.enable_access_log: false``) would take the
+    request id off the replica's other lines too (Ray 2.60 adds its request-context
+    filter to the file handler only where the access log is on), and would replace the
+    application's ``logging_config`` for the deployment."""
+    return not getattr(record, ACCESS_LINE, False)
+
 
 class TritonReplica:
     """Plain class; ``serve.deployment`` wraps it in :func:`serve.app.build_app`.
@@ -58,9 +80,16 @@ class TritonReplica:
     """
 
     async def __init__(
-        self, model: ModelConfig, host: TritonHost | None = None, metrics_collector=None
+        self,
+        model: ModelConfig,
+        host: TritonHost | None = None,
+        metrics_collector=None,
+        answers_http: bool = False,
     ):
+        """``answers_http``: this replica is the app's front door (layout: direct)."""
         self.model = model
+        if not logs_access(model, answers_http):
+            logging.getLogger(SERVE_LOGGER).addFilter(not_an_access_line)
         self.pacing = StreamPacing(model.stream_interval_ms, model.stream_chunks_per_s)
         engine_step = self._engine_step_alone()
         # The model whose readiness is this replica's (check_health, /health).

@@ -53,6 +53,35 @@ def test_the_shipped_serve_config_validates():
     assert args.default_target[0].id == "tritonllm-default"
 
 
+@pytest.mark.parametrize(
+    "access_log, answers_http, logged",
+    [(None, False, False), (None, True, True), (True, False, True), (False, True, False)],
+)
+def test_a_triton_replica_logs_access_lines_where_it_answers_http_unless_told(
+    access_log, answers_http, logged
+):
+    from serve.deployments.triton_replica import logs_access
+
+    deployment = {} if access_log is None else {"access_log": access_log}
+    config = AppConfig.model_validate({"models": [{"id": "m", "deployment": deployment}]})
+    assert logs_access(config.models[0], answers_http) is logged
+
+
+def test_the_access_line_filter_drops_serves_access_lines_alone():
+    import logging
+
+    from serve.deployments.triton_replica import not_an_access_line
+
+    def record(**extra) -> logging.LogRecord:
+        line = logging.LogRecord("ray.serve", logging.INFO, __file__, 1, "msg", None, None)
+        line.__dict__.update(extra)
+        return line
+
+    assert not not_an_access_line(record(serve_access_log=True, request_id="r1"))
+    assert not_an_access_line(record(request_id="r1"))  # another line of the request
+    assert not_an_access_line(record(serve_access_log=None))
+
+
 def test_the_tokenizer_comes_from_the_preprocessing_config(built_repository, checkpoint_dir):
     assert repository.tokenizer_dir(built_repository).resolve() == checkpoint_dir.resolve()
 
