@@ -117,7 +117,9 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
         repository.check_built(model.triton.repository_path(), tuple(model.entry_models()))
         check_gpu_memory(model)
     options = model.deployment.model_dump(
-        exclude={"num_replicas", "autoscaling_config", "ray_actor_options"}, exclude_none=True
+        # access_log: the replica's own (TritonReplica), not one of Serve's options
+        exclude={"num_replicas", "autoscaling_config", "ray_actor_options", "access_log"},
+        exclude_none=True,
     )
     options["graceful_shutdown_timeout_s"] = model.drain_timeout_s()
     options["max_ongoing_requests"] = max_ongoing_requests(model)

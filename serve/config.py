@@ -315,6 +315,11 @@ class ModelConfig(_Strict):
                     "engine: vllm serves task: generate without variants (LoRA adapters: "
                     "a lora: section, Ray Serve LLM's lora_config)"
                 )
+            if self.deployment.access_log is not None:
+                raise ValueError(
+                    "deployment.access_log is a Triton model's setting: Ray Serve LLM's "
+                    "replicas log an access line for each call"
+                )
         elif self.vllm is not None:
             raise ValueError("a vllm section needs engine: vllm")
         return self

@@ -23,6 +23,8 @@ from serve.triton.sidecar import classify
 from tests.conftest import ROOT
 from tritonllm import contract
 
+VLLM_MODEL = {"id": "v", "engine": "vllm", "vllm": {"checkpoint": "/c"}}
+
 
 @pytest.mark.parametrize(
     "args, field",
@@ -40,6 +42,7 @@ from tritonllm import contract
         ({"layout": "direct", "models": [{"id": "m", "routing": "prefix_aware"}]}, "routing"),
         ({"layout": "direct", "models": [{"id": "m", "variants": ["v"]}]}, "variants"),
         ({"layout": "sideways"}, "layout"),
+        ({"models": [VLLM_MODEL | {"deployment": {"access_log": False}}]}, "access_log"),
     ],
 )
 def test_config_errors_name_the_bad_field(args, field):
@@ -65,6 +68,14 @@ def test_a_triton_replica_logs_access_lines_where_it_answers_http_unless_told(
     deployment = {} if access_log is None else {"access_log": access_log}
     config = AppConfig.model_validate({"models": [{"id": "m", "deployment": deployment}]})
     assert logs_access(config.models[0], answers_http) is logged
+
+
+def test_access_log_is_not_passed_to_serve(built_repository):
+    from serve.app import replica_options
+
+    model = {"id": "m", "triton": {"model_repository": str(built_repository)}}
+    config = AppConfig.model_validate({"models": [model | {"deployment": {"access_log": True}}]})
+    assert "access_log" not in replica_options(config.models[0])  # Serve would refuse it
 
 
 def test_the_access_line_filter_drops_serves_access_lines_alone():
