@@ -35,6 +35,8 @@ log = logging.getLogger("ray.serve")
 def build_app(args: dict | None = None):
     config = servable(AppConfig.model_validate(args or {}))
     check_tenants_file(config)
+    if warning := counts_per_replica(config):
+        log.warning(warning)
     collector = serve.deployment(MetricsCollector).options(**COLLECTOR_OPTIONS).bind()
     if config.layout == "direct":  # the model's replicas are the ingress
         (model,) = config.models
@@ -49,6 +51,22 @@ def build_app(args: dict | None = None):
         replicas[model.id] = deployment.bind(model, metrics_collector=collector)
     ingress = serve.deployment(OpenAIIngress).options(**ingress_options(config))
     return ingress.bind(replicas, config, collector, response_store(config), fair_seats(config))
+
+
+def counts_per_replica(config: AppConfig) -> str | None:
+    """Why the tenants' limits will not hold as written, or None: with the counts in
+    memory (``rate_limits.store: memory``) each ingress replica counts alone, so with
+    several a tenant gets its requests and tokens per minute from each of them."""
+    replicas = config.ingress.num_replicas
+    if config.api_keys.tenants_file is None or config.rate_limits.store != "memory":
+        return None
+    if replicas == 1:
+        return None
+    return (
+        f"rate_limits.store: memory with {replicas} ingress replicas: each counts alone, so "
+        f"a tenant's requests and tokens per minute hold per replica (up to {replicas}x "
+        "its limits in all); set rate_limits.store: redis for one count across them"
+    )
 
 
 def check_tenants_file(config: AppConfig) -> None:

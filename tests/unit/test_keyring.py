@@ -197,3 +197,24 @@ def test_a_tenants_weight_is_its_callers_and_one_by_default(tmp_path):
     text = "tenants:\n  - name: a\n    keys: [a1]\n    weight: 2.5\n  - name: b\n    keys: [b1]\n"
     keyring = Keyring(tenants_file=write(tmp_path / "t.yaml", text), model_ids=MODELS)
     assert (keyring.caller("a1").weight, keyring.caller("b1").weight) == (2.5, 1.0)
+
+
+@pytest.mark.parametrize(
+    "replicas, store, tenants, warned",
+    [(2, "memory", True, True), (1, "memory", True, False), (2, "redis", True, False),
+     (2, "memory", False, False)],
+)  # fmt: skip
+def test_limits_counted_per_ingress_replica_are_named_at_deploy(replicas, store, tenants, warned):
+    from serve.app import counts_per_replica
+    from serve.config import AppConfig
+
+    limits = {"store": store} | (
+        {"redis_url": "redis://127.0.0.1:6379"} if store == "redis" else {}
+    )
+    args = {"ingress": {"num_replicas": replicas}, "rate_limits": limits}
+    if tenants:
+        args["api_keys"] = {"tenants_file": "/etc/tritonllm/tenants.yaml"}
+    warning = counts_per_replica(AppConfig.model_validate(args))
+    assert (warning is not None) is warned
+    if warned:
+        assert f"up to {replicas}x" in warning and "rate_limits.store: redis" in warning
