@@ -3,7 +3,8 @@
 /health needs no API key: probes (Docker's healthcheck, Kubernetes' readinessProbe)
 carry none, and it says no more than which configured model is not ready.
 
-/metrics asks for the API key when keys are configured, as /v1/* does. The API port
+/metrics asks for the API key when keys are configured, as /v1/* does, but takes none
+of the key's tenant's limits: a scrape is not the tenant's traffic. The API port
 is the public one (compose publishes it, the RayService's Ingress routes ``/`` to it),
 and the figures (traffic per model, replica ids, Triton's model names) are for the
 operator, not the clients; Prometheus sends a key with ``authorization:
@@ -16,7 +17,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from serve.api.auth import require_api_key
+from serve.api.auth import require_api_key_alone
 from serve.api.errors import NotReady
 from serve.metrics import CONTENT_TYPE
 
@@ -49,7 +50,7 @@ async def health(request: Request):
     return ready
 
 
-@operations_router.get("/metrics", dependencies=[Depends(require_api_key)])
+@operations_router.get("/metrics", dependencies=[Depends(require_api_key_alone)])
 async def metrics(request: Request):
     """Prometheus text of the whole application (docs/metrics.md)."""
     text = await request.app.state.backend.metrics_text()

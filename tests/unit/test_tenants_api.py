@@ -176,3 +176,20 @@ def test_fair_shares_seat_each_request_once_whatever_its_prompts_and_give_it_bac
         answer = client.post("/v1/chat/completions", json=chat, headers=headers)
         assert answer.status_code == 200 and len(answer.json()["choices"]) == 3
         assert queue.taken == 0 and waits == [tenant] * 3
+
+
+def test_a_scrape_needs_a_key_but_takes_none_of_its_tenant_s_limits(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(
+        "tenants:\n  - {name: ops, keys: [ops-1], requests_per_minute: 1, "
+        "max_concurrent_requests: 1}\n"
+    )
+    client = TestClient(create_app(FakeBackend(), Keyring(tenants_file=path, clock=Clock())))
+    assert error_of(client.get("/metrics"), 401)["code"] == "invalid_api_key"
+    assert error_of(client.get("/metrics", headers=bearer("nobody")), 401)
+    scrapes = [client.get("/metrics", headers=bearer("ops-1")) for _ in range(3)]
+    assert [s.status_code for s in scrapes] == [200, 200, 200]
+    assert "x-ratelimit-remaining-requests" not in scrapes[0].headers
+    # The tenant's one request of the minute is still there, and then spent.
+    assert client.get("/v1/models", headers=bearer("ops-1")).status_code == 200
+    assert client.get("/v1/models", headers=bearer("ops-1")).status_code == 429
