@@ -84,7 +84,7 @@ def replica_of(triton_pid: int) -> int:
 
 
 async def two_replicas_ready(repository: Path, timeout_s: float = 300) -> None:
-    """Until two Tritons serve ``repository``, each with its ensemble ready (the lost
+    """Until two Tritons serve ``repository``, each with its models ready (the lost
     replica replaced), and Serve has had a moment to route to the new one."""
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=5) as client:
@@ -102,7 +102,9 @@ async def _ready(client: httpx.AsyncClient, tritons: list[int]) -> bool:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         port = next(a.split(b"=")[1].decode() for a in args if a.startswith(b"--http-port="))
         try:
-            ready = await client.get(f"http://127.0.0.1:{port}/v2/models/ensemble/ready")
+            # The server's readiness (Triton's strict readiness: every model it loaded
+            # ready): a replica's Triton may load the engine step alone, no ensemble.
+            ready = await client.get(f"http://127.0.0.1:{port}/v2/health/ready")
         except httpx.HTTPError:
             return False
         if ready.status_code != 200:
