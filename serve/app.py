@@ -58,9 +58,8 @@ def counts_per_replica(config: AppConfig) -> str | None:
     memory (``rate_limits.store: memory``) each ingress replica counts alone, so with
     several a tenant gets its requests and tokens per minute from each of them."""
     replicas = config.ingress.num_replicas
-    if config.api_keys.tenants_file is None or config.rate_limits.store != "memory":
-        return None
-    if replicas == 1:
+    tenants = config.api_keys.tenants_file is not None
+    if not tenants or config.rate_limits.store != "memory" or replicas == 1:
         return None
     return (
         f"rate_limits.store: memory with {replicas} ingress replicas: each counts alone, so "

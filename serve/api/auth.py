@@ -21,7 +21,7 @@ from fastapi import Request
 from serve.api.errors import Unauthorized
 from serve.api.keyring import ANYONE, Caller, Keyring
 from serve.api.limits import RateLimited, TooManyAtOnce
-from serve.api.middleware import on_answer_end
+from serve.api.middleware import on_answer_end, request_state
 from serve.config import APIKeys
 
 
@@ -43,13 +43,6 @@ def caller(request: Request) -> Caller:
     """Whom the request's key let in (:data:`serve.api.keyring.ANYONE` on an open API,
     or on a route that needs no key)."""
     return request_state(request, "caller", ANYONE)
-
-
-def request_state(request: Request, name: str, default=None):
-    """``request.state.<name>``, or ``default`` where the request has none: read from the
-    scope's dict behind ``request.state`` (Starlette's), whose ``getattr`` raises and
-    formats an ``AttributeError`` for every name not set, several times per request."""
-    return request.scope.get("state", {}).get(name, default)
 
 
 def key_owner(request: Request) -> str:

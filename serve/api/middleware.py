@@ -78,11 +78,18 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
+def request_state(request: Request, name: str, default=None):
+    """``request.state.<name>``, or ``default`` where the request has none: read from the
+    scope's dict behind ``request.state`` (Starlette's), whose ``getattr`` raises and
+    formats an ``AttributeError`` for every name not set, several times per request."""
+    return request.scope.get("state", {}).get(name, default)
+
+
 def on_answer_end(request: Request, give_back: Callable[[], object]) -> None:
     """Calls ``give_back`` (awaited in the background where it is async) once the
     request's answer has ended, streamed or whole, or its client left:
     :class:`RequestRecorder` does."""
-    ends = getattr(request.state, "on_end", None)
+    ends = request_state(request, "on_end")
     if ends is None:
         request.state.on_end = ends = []
     ends.append(give_back)

@@ -16,10 +16,11 @@ from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 
-from serve.api.auth import caller, request_state
+from serve.api.auth import caller
 from serve.api.backend import Backend
 from serve.api.errors import APIError, NotFound
 from serve.api.metered import MeteredBackend, SeatedBackend
+from serve.api.middleware import request_state
 from serve.api.schemas import MAX_CHOICES, ChatCompletionRequest, SamplingFields
 from serve.api.structured import Guide, tool_guide
 from serve.api.tool_parsers import SYNTAXES, CallSyntax

@@ -35,8 +35,7 @@ log = logging.getLogger("ray.serve")
 # How often a replica looks whether its Triton child process is alive (a waitpid).
 TRITON_WATCH_S = 0.2
 
-# Serve's logger, and the field its access lines carry (the `extra` of Serve's replica).
-SERVE_LOGGER = "ray.serve"
+# The field Serve's access lines carry (the `extra` of Serve's replica).
 ACCESS_LINE = "serve_access_log"
 
 
@@ -89,7 +88,7 @@ class TritonReplica:
         """``answers_http``: this replica is the app's front door (layout: direct)."""
         self.model = model
         if not logs_access(model, answers_http):
-            logging.getLogger(SERVE_LOGGER).addFilter(not_an_access_line)
+            log.addFilter(not_an_access_line)  # Serve's own logger, where it writes them
         self.pacing = StreamPacing(model.stream_interval_ms, model.stream_chunks_per_s)
         engine_step = self._engine_step_alone()
         # The model whose readiness is this replica's (check_health, /health).

@@ -9,6 +9,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+from starlette.requests import Request
 
 from serve.api.fairness import QUANTUM, FairQueue, QueueFull
 from serve.api.keyring import Caller
@@ -237,7 +238,7 @@ async def test_a_request_with_more_prompts_than_seats_starts_them_all():
     they read any stream."""
     queue = FairQueue(2)
     engine = _Engine(queue)
-    request = SimpleNamespace(state=SimpleNamespace())
+    request = Request({"type": "http", "headers": []})
     backend = SeatedBackend(engine, request, Caller("t", "tenant:t"))
     model = SimpleNamespace(id="m")
     prompts = [GenerateParams(prompt=f"p{i}", max_tokens=4) for i in range(5)]
