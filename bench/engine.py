@@ -64,7 +64,7 @@ class Level:
 def one_request(url: str, prompt: str, output_len: int) -> tuple[float, float, list[float], int]:
     """Send one streamed request; return its send time, first-token time, inter-token
     gaps and the tokens received."""
-    from serve.triton.client import Stream, ensemble_values
+    from serve.engines.triton.client import Stream, ensemble_values
 
     values = ensemble_values(
         prompt,
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     stop_on_sigterm()
     import torch
 
-    from serve.triton.launcher import TritonProcess
+    from serve.engines.triton.launcher import TritonProcess
 
     args = parse_args(argv)
     levels_c = [int(c) for c in args.concurrency.split(",")]

@@ -1,5 +1,5 @@
 """``make bench-fairness``: one tenant's flood against another's interactive load, and
-priorities at saturation, with the ingress's fair shares on and off (serve/api/fairness.py).
+priorities at saturation, with the ingress's fair shares on and off (serve/api/common/fairness.py).
 
 One stack per setting, over the null engine (a benchmark instrument: no model math, a
 fixed step time, real token ids; ``make bench-capacity`` says more), with a tenants file
@@ -176,7 +176,7 @@ async def rounds_of(url: str, args, prompts: list[str]) -> dict:
 
 
 def run(args) -> list[dict]:
-    from serve.triton.launcher import free_port
+    from serve.engines.triton.launcher import free_port
 
     repository = build_bench_repository(
         args.out / "scratch",

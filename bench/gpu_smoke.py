@@ -135,7 +135,7 @@ class Smoke:
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
 
     def torch_engine(self) -> str:
-        from serve.triton.sidecar import SidecarHost
+        from serve.engines.triton.sidecar import SidecarHost
 
         args = ["--target", "torch", "--device", self.device, "--dtype", "float32"]
         build_repository(self.torch_repo, *args)
@@ -151,14 +151,14 @@ class Smoke:
         return f"{tokens} tokens = generate(); first chunk {ttft * 1000:.0f} ms"
 
     def in_process(self) -> str:
-        from serve.triton.select import in_process_unavailable_reason
+        from serve.engines.triton.select import in_process_unavailable_reason
 
         reason = in_process_unavailable_reason()
         if reason:
             raise Skip(reason)
         if self.sidecar_text is None:
             raise Skip("the torch engine step failed")
-        from serve.triton.in_process import InProcessHost
+        from serve.engines.triton.in_process import InProcessHost
 
         host = InProcessHost(self.torch_repo).start()
         try:
@@ -199,7 +199,7 @@ class Smoke:
         return self._ask_trtllm(repo)
 
     def _ask_trtllm(self, repo: Path) -> str:
-        from serve.triton.sidecar import SidecarHost
+        from serve.engines.triton.sidecar import SidecarHost
 
         host = SidecarHost(repo).start()
         try:
@@ -218,7 +218,7 @@ class Smoke:
 
 
 def pytest_in_process() -> str:
-    from serve.triton.select import in_process_unavailable_reason
+    from serve.engines.triton.select import in_process_unavailable_reason
 
     if in_process_unavailable_reason():
         raise Skip(in_process_unavailable_reason())

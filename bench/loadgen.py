@@ -205,9 +205,9 @@ class TritonTarget:
         return self._client
 
     async def request(self, prompt: str, output_len: int) -> RequestRecord:
+        from serve.engines.triton.client import infer_inputs
+        from serve.engines.triton.requests import ensemble_inputs
         from serve.generation import GenerateParams
-        from serve.triton.client import infer_inputs
-        from serve.triton.requests import ensemble_inputs
 
         params = GenerateParams(prompt, max_tokens=output_len, min_tokens=output_len)
 

@@ -40,9 +40,9 @@ from bench.capacity import stack_config
 from bench.common import ROOT, make_prompts, stop_on_sigterm
 from bench.loadgen import OpenAITarget, run_level, summarize
 from bench.serving import MODEL, machine, serve_run
+from serve.engines.triton import repository as repo
+from serve.engines.triton.launcher import free_port
 from serve.launch import SERVE_MODES
-from serve.triton import repository as repo
-from serve.triton.launcher import free_port
 
 console = Console(soft_wrap=True, width=150)
 

@@ -40,8 +40,8 @@ from rich.console import Console
 from bench.common import ROOT, make_prompts, stop_on_sigterm
 from bench.prefix import System, _tritons, repositories, serve_config
 from bench.serving import serve_run
+from serve.engines.triton.launcher import free_port
 from serve.metrics import PUSH_PERIOD_S
-from serve.triton.launcher import free_port
 
 console = Console(soft_wrap=True, width=150)
 MODEL = "tritonllm-default"

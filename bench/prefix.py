@@ -46,7 +46,7 @@ from bench.common import (
 )
 from bench.loadgen import OpenAITarget, run_level, summarize
 from bench.serving import serve_run
-from serve.triton.launcher import free_port
+from serve.engines.triton.launcher import free_port
 from tritonllm.tokenization import load_tokenizer
 
 console = Console(soft_wrap=True, width=150)

@@ -25,9 +25,9 @@ import time
 
 from bench.common import ROOT, build_bench_repository, make_prompts
 from bench.loadgen import RequestRecord, run_level
+from serve.engines.triton.sidecar import SidecarHost
+from serve.engines.triton.steps import ReplicaSteps
 from serve.generation import GenerateParams, GenerationError
-from serve.triton.sidecar import SidecarHost
-from serve.triton.steps import ReplicaSteps
 from tritonllm import contract
 
 OUTPUT_LEN = 64

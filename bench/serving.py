@@ -54,8 +54,8 @@ from rich.console import Console
 from bench import cpu, report
 from bench.common import ROOT, build_bench_repository, checkpoint_dir, make_prompts, stop_on_sigterm
 from bench.loadgen import OpenAITarget, TritonTarget, run_level, summarize
+from serve.engines.triton.launcher import TritonProcess
 from serve.launch import SERVE_MODES, private_haproxy_dir, serve_env
-from serve.triton.launcher import TritonProcess
 
 console = Console(soft_wrap=True, width=150)
 MODEL = "tritonllm-default"
@@ -458,7 +458,7 @@ def start_systems(
     """Start what the chosen systems need: their load-generator targets by name, the
     pid of the Triton that runs alone and those of the processes whose descendants'
     CPU is kept apart by name (rayllm's ``serve run``)."""
-    from serve.triton.launcher import free_port
+    from serve.engines.triton.launcher import free_port
 
     targets, triton_pid, apart = {}, None, {}
     checkpoint = args.checkpoint or checkpoint_dir(repository)

@@ -409,7 +409,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     stop_on_sigterm()
-    from serve.triton.launcher import free_port
+    from serve.engines.triton.launcher import free_port
 
     args = parse_args(argv)
     args.out = args.out.resolve()

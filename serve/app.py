@@ -18,15 +18,15 @@ from typing import Any
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from serve import vllm_deployment
-from serve.api.keyring import load_tenants
+from serve.api.common.keyring import load_tenants
 from serve.config import AppConfig, ModelConfig
 from serve.deployments.direct import DirectReplica
 from serve.deployments.ingress import OpenAIIngress
 from serve.deployments.metrics_collector import MetricsCollector
 from serve.deployments.response_store import ResponseStoreReplica
-from serve.deployments.triton_replica import TritonReplica
-from serve.triton import repository
+from serve.engines.triton import repository
+from serve.engines.triton.replica import TritonReplica
+from serve.engines.vllm import deployment as vllm_deployment
 from tritonllm import contract
 
 log = logging.getLogger("ray.serve")
@@ -248,7 +248,7 @@ def _batch_size(model: ModelConfig) -> int:
 
 
 def fair_seats(config: AppConfig) -> dict[str, int]:
-    """Each generate model's seats in one ingress replica (serve/api/fairness.py): what
+    """Each generate model's seats in one ingress replica (serve/api/common/fairness.py): what
     its replicas run at their autoscaling target (the engine's batch by default; with
     ``num_replicas``, the batch; never past ``max_ongoing_requests``) and their most
     replicas, shared among the ingress replicas. Past them requests wait in

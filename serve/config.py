@@ -43,14 +43,15 @@ class TritonConfig(_Strict):
     mode: Literal["auto", "in_process", "sidecar"] = Field(
         "auto",
         description="auto: in-process where the tritonserver API loads, else sidecar; "
-        "in_process or sidecar force one (serve/triton/select.py)",
+        "in_process or sidecar force one (serve/engines/triton/select.py)",
     )
     start_timeout_s: float = Field(300.0, gt=0, description="how long Triton may take to load")
     pipeline: Literal["replica", "ensemble"] = Field(
         "replica",
         description="replica: the replica tokenizes and detokenizes with the repository's "
         "own tokenizer and settings and sends the engine step its tensors (one Triton hop "
-        "per streamed response); ensemble: through Triton's ensemble (serve/triton/steps.py)",
+        "per streamed response); ensemble: through Triton's ensemble "
+        "(serve/engines/triton/steps.py)",
     )
 
     def repository_path(self) -> Path:

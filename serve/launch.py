@@ -90,7 +90,7 @@ def serve_env(mode: str, haproxy_dir: Path | None = None, base: dict | None = No
     env.setdefault("RAY_SERVE_HAPROXY_BINARY_PATH", str(HAPROXY_NOSPLICE))
     env.setdefault("TRITONLLM_HAPROXY_PYTHON", sys.executable)
     if haproxy_dir is not None:
-        from serve.triton.launcher import free_port, free_port_range
+        from serve.engines.triton.launcher import free_port, free_port_range
 
         env |= {
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(haproxy_dir / "haproxy.cfg"),
@@ -161,7 +161,7 @@ def is_loopback(host: str) -> bool:
 
 def keyless_apps(config: dict) -> list[str]:
     """The applications of ``config`` that would serve without an API key here."""
-    from serve.api.auth import app_keyring
+    from serve.api.common.auth import app_keyring
     from serve.config import APIKeys
 
     keyless = []

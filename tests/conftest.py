@@ -75,7 +75,7 @@ def hf_model(checkpoint_dir):
 
 @pytest.fixture(scope="session")
 def triton(built_repository):
-    from serve.triton.launcher import TritonProcess
+    from serve.engines.triton.launcher import TritonProcess
 
     with TritonProcess(built_repository).start(timeout_s=180) as server:
         yield server

@@ -85,7 +85,7 @@ def response_thread(model_args) -> ResponseThread:
 def print_stacks_on_crash() -> None:
     """A native crash of the stub (SIGSEGV, SIGBUS, SIGABRT) prints every thread's Python
     stack to the stub's stderr, which is Triton's log. Otherwise the stub dies without a
-    word, and Triton keeps calling its model ready (serve/triton/launcher.py:dead_stubs).
+    word, and Triton keeps calling its model ready (serve/engines/triton/launcher.py:dead_stubs).
     ``PYTHONFAULTHANDLER`` does nothing here: the stub's interpreter is embedded."""
     faulthandler.enable(all_threads=True)
 

@@ -8,7 +8,7 @@ from tritonllm import contract, tokenization
 from tritonllm.tokenization import InvalidRequest
 
 # The preprocessing model's inputs (contract.PREPROCESSING_INPUTS) as :func:`preprocess`'s
-# arguments: the Triton model and the replica's own steps (serve/triton/steps.py) use it.
+# arguments: the Triton model and the replica's own steps (serve/engines/triton/steps.py) use it.
 ARGUMENTS = {
     spec.name: argument
     for spec, argument in (

@@ -11,15 +11,15 @@ from collections.abc import Callable
 
 from fastapi import FastAPI
 
-from serve.api.backend import Backend
-from serve.api.errors import install_handlers
-from serve.api.keyring import Keyring
-from serve.api.limits import Buckets, MemoryBuckets
-from serve.api.messages import messages_router
-from serve.api.middleware import BodySizeLimit, RequestRecorder
+from serve.api.anthropic.routes import messages_router
+from serve.api.common.backend import Backend
+from serve.api.common.errors import install_handlers
+from serve.api.common.keyring import Keyring
+from serve.api.common.limits import Buckets, MemoryBuckets
+from serve.api.common.middleware import BodySizeLimit, RequestRecorder
+from serve.api.openai.responses.routes import responses_router
+from serve.api.openai.routes import router
 from serve.api.operations import operations_router
-from serve.api.responses_api import responses_router
-from serve.api.routes import router
 
 
 def create_app(

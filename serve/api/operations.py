@@ -17,8 +17,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from serve.api.auth import require_api_key_alone
-from serve.api.errors import NotReady
+from serve.api.common.auth import require_api_key_alone
+from serve.api.common.errors import NotReady
 from serve.metrics import CONTENT_TYPE
 
 operations_router = APIRouter()

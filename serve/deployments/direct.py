@@ -18,11 +18,11 @@ from contextlib import aclosing
 
 from ray import serve
 
-from serve.api.backend import Embeddings
-from serve.api.errors import NotFound
+from serve.api.common.backend import Embeddings
+from serve.api.common.errors import NotFound
 from serve.config import AppConfig, ModelConfig
 from serve.deployments.ingress import ApiBackend, as_api_error
-from serve.deployments.triton_replica import TritonReplica
+from serve.engines.triton.replica import TritonReplica
 from serve.generation import GenerateParams, GenerationChunk
 
 

@@ -29,22 +29,22 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from serve.adapters import AdapterCatalog
-from serve.api.auth import app_keyring
-from serve.api.backend import Embeddings
-from serve.api.chat_template import render_chat_prompt
-from serve.api.errors import APIError, InternalError, NotFound, Overloaded
-from serve.api.fairness import FairQueue
+from serve.api.common.auth import app_keyring
+from serve.api.common.backend import Embeddings
+from serve.api.common.chat_template import render_chat_prompt
+from serve.api.common.errors import APIError, InternalError, NotFound, Overloaded
+from serve.api.common.fairness import FairQueue
+from serve.api.common.limits import Buckets, MemoryBuckets, RedisBuckets
+from serve.api.common.sampling import SamplingDefaults
+from serve.api.common.token_texts import TokenTexts
 from serve.api.http import create_app
-from serve.api.limits import Buckets, MemoryBuckets, RedisBuckets
-from serve.api.response_store import ResponseStore
-from serve.api.sampling import SamplingDefaults
-from serve.api.token_texts import TokenTexts
+from serve.api.openai.responses.store import ResponseStore
 from serve.config import AppConfig, ModelConfig, RateLimitsConfig
 from serve.deployments.response_store import open_response_store, redis_url
+from serve.engines.triton import repository
 from serve.generation import GenerateParams, GenerationChunk, GenerationError, coalesce
 from serve.metrics import MetricsPublisher, RequestMetrics, replica_labels
 from serve.migration import CannotResume, Resumable
-from serve.triton import repository
 from tritonllm import tokenization
 
 log = logging.getLogger("ray.serve")
@@ -158,7 +158,7 @@ def _takes_priority(model: ModelConfig) -> bool:
 
 
 def open_buckets(config: RateLimitsConfig, seat_s: float) -> Buckets:
-    """The store of the tenants' rate limits ``config`` names (serve/api/limits.py);
+    """The store of the tenants' rate limits ``config`` names (serve/api/common/limits.py);
     ``seat_s``: the app's longest answer (a seat its replica never gave back lapses)."""
     if config.store == "redis":
         url = redis_url(config, section="rate_limits")
@@ -167,7 +167,7 @@ def open_buckets(config: RateLimitsConfig, seat_s: float) -> Buckets:
 
 
 class ApiBackend:
-    """:class:`serve.api.backend.Backend` for the routes, all but how a request reaches a
+    """:class:`serve.api.common.backend.Backend` for the routes, all but how a request reaches a
     Triton: over Serve's DeploymentHandles (:class:`OpenAIIngress`), or to the Triton
     the replica itself owns (``serve/deployments/direct.py``, ``layout: direct``)."""
 

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import RayServeException
 
-from serve.api.errors import Overloaded
-from serve.api.response_store import (
+from serve.api.common.errors import Overloaded
+from serve.api.openai.responses.store import (
     TIMEOUT_S,
     MemoryStore,
     RecordTooLarge,
@@ -50,10 +50,10 @@ class ResponseStoreReplica:
 
 
 class DeploymentStore:
-    """:class:`serve.api.response_store.ResponseStore` over the DeploymentHandle of the
+    """:class:`serve.api.openai.responses.store.ResponseStore` over the DeploymentHandle of the
     app's :class:`ResponseStoreReplica`. A store that does not answer is a 503
-    (:class:`serve.api.errors.Overloaded`); a record too large for it is
-    :class:`serve.api.response_store.RecordTooLarge`, as from a local MemoryStore."""
+    (:class:`serve.api.common.errors.Overloaded`); a record too large for it is
+    :class:`serve.api.openai.responses.store.RecordTooLarge`, as from a local MemoryStore."""
 
     def __init__(self, handle, timeout_s: float = TIMEOUT_S):
         # A timeout of our own: Serve holds a call while the replica restarts.

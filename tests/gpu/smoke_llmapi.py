@@ -71,8 +71,8 @@ class LLMAPISmoke:
         return f"configs for {self.checkpoint().name}; a second build is up to date"
 
     def answer(self) -> str:
+        from serve.engines.triton.sidecar import SidecarHost
         from serve.generation import GenerateParams
-        from serve.triton.sidecar import SidecarHost
 
         if not (self.repo / "tensorrt_llm" / "config.pbtxt").is_file():
             raise Skip("no trtllm-pytorch repository (the build step did not run)")

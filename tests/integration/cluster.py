@@ -31,8 +31,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from serve.engines.triton.launcher import LOG_DIR_ENV, dead_stubs, free_port
 from serve.launch import private_haproxy_dir, serve_env
-from serve.triton.launcher import LOG_DIR_ENV, dead_stubs, free_port
 from tests.conftest import ROOT
 
 BIN = Path(sys.executable).parent
@@ -89,7 +89,7 @@ class RayCluster:
         self.mode = mode  # serve.launch's Serve mode
         self.env = serve_env(mode, self.haproxy_dir)
         self.env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-        # Every replica's Triton logs into a file here (serve.triton.launcher), which
+        # Every replica's Triton logs into a file here (serve.engines.triton.launcher), which
         # outlives the replica: a failed test shows their tails (triton_report).
         self.triton_log_dir = self.temp_dir / "triton"
         self.env[LOG_DIR_ENV] = str(self.triton_log_dir)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from serve.triton.launcher import (
+from serve.engines.triton.launcher import (
     PYTHON_BACKEND_CONFIG,
     TritonLaunchError,
     TritonProcess,
@@ -88,7 +88,7 @@ def test_a_repository_that_fails_to_load_reports_tritons_error(tmp_path, built_r
 def test_triton_does_not_outlive_its_parent_and_unloads_its_models_cleanly(built_repository):
     script = textwrap.dedent(f"""
         import sys, time
-        from serve.triton.launcher import TritonProcess
+        from serve.engines.triton.launcher import TritonProcess
         server = TritonProcess({str(built_repository)!r}).start(timeout_s=120)
         print(server._proc.pid, server.log_path, flush=True)
         time.sleep(600)

@@ -23,8 +23,8 @@ import pytest
 import uvicorn
 import yaml
 
+from serve.engines.triton.launcher import free_port
 from serve.launch import serve_env
-from serve.triton.launcher import free_port
 from tests.conftest import ROOT
 from tests.integration.abandon import IDLE_WITHIN_S, SHORT_WITHIN_S, abandon_then_serve
 from tests.integration.repositories import repository_with_limits

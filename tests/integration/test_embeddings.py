@@ -14,9 +14,9 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from build_engines.embeddings import EmbeddingsOptions
+from serve.engines.triton.client import infer_inputs
+from serve.engines.triton.sidecar import SidecarHost
 from serve.generation import GenerationError
-from serve.triton.client import infer_inputs
-from serve.triton.sidecar import SidecarHost
 from tests.unit.test_embeddings import SENTENCES, cosine
 from tritonllm import contract
 

@@ -13,7 +13,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from serve.triton.client import Stream, ensemble_values, generate
+from serve.engines.triton.client import Stream, ensemble_values, generate
 from tests.integration.repositories import repository_with_limits
 from tests.reference import hf_greedy
 from tests.unit.test_engine import SIXTEEN_PROMPTS
@@ -214,7 +214,7 @@ def test_an_ensemble_request_is_stopped_by_its_request_id(triton, tokenizer):
 def tight_triton(checkpoint_dir, tmp_path_factory):
     """The same checkpoint under tight limits: one slot, three queued requests, 16-token
     steps (longer prompts prefilled in chunks)."""
-    from serve.triton.launcher import TritonProcess
+    from serve.engines.triton.launcher import TritonProcess
 
     repository = repository_with_limits(
         checkpoint_dir,

@@ -144,7 +144,7 @@ def llmapi_host(checkpoint_dir, tmp_path_factory):
         )
         import shutil
 
-        from serve.triton.sidecar import SidecarHost
+        from serve.engines.triton.sidecar import SidecarHost
 
         shutil.copytree(site / "tensorrt_llm", repository / "tensorrt_llm" / "1" / "tensorrt_llm")
         host = SidecarHost(repository).start()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from serve.triton.client import generate
+from serve.engines.triton.client import generate
 from tritonllm import contract
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from serve.triton.launcher import free_port
+from serve.engines.triton.launcher import free_port
 from tests.conftest import ROOT
 from tests.integration.test_serve_app import wait_ready
 from tests.processes import (

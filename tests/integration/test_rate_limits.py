@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from serve.api.errors import Overloaded
-from serve.api.limits import MemoryBuckets, RedisBuckets
-from serve.triton.launcher import free_port
+from serve.api.common.errors import Overloaded
+from serve.api.common.limits import MemoryBuckets, RedisBuckets
+from serve.engines.triton.launcher import free_port
 from tests.integration.cluster import RedisServer
 
 pytestmark = pytest.mark.integration

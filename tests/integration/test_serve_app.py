@@ -17,7 +17,7 @@ import openai
 import pytest
 import yaml
 
-from serve.triton.launcher import free_port
+from serve.engines.triton.launcher import free_port
 from tests import aiperf_env, lm_eval_env, lm_eval_harness
 from tests.conftest import ROOT
 from tests.integration.abandon import IDLE_WITHIN_S, SHORT_WITHIN_S, abandon_then_serve

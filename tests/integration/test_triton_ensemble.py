@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from serve.triton.client import generate
+from serve.engines.triton.client import generate
 from tests.reference import counted, hf_greedy
 
 pytestmark = pytest.mark.integration

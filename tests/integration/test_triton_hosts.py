@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from serve.engines.triton.requests import EnsembleRoute
+from serve.engines.triton.select import in_process_unavailable_reason
+from serve.engines.triton.sidecar import SidecarHost
+from serve.engines.triton.steps import ReplicaSteps
 from serve.generation import GenerateParams, GenerationError
-from serve.triton.requests import EnsembleRoute
-from serve.triton.select import in_process_unavailable_reason
-from serve.triton.sidecar import SidecarHost
-from serve.triton.steps import ReplicaSteps
 from tests.integration.test_inflight_batching import wait_for
 from tests.reference import counted, hf_greedy
 from tritonllm import contract
@@ -35,10 +35,10 @@ def start_host(kind: str, repository):
     if kind == "in_process":
         if IN_PROCESS_REASON is not None:
             pytest.skip(f"in-process Triton API unavailable: {IN_PROCESS_REASON}")
-        from serve.triton.in_process import InProcessHost
+        from serve.engines.triton.in_process import InProcessHost
 
         return InProcessHost(repository).start()
-    from serve.triton.sidecar import SidecarHost
+    from serve.engines.triton.sidecar import SidecarHost
 
     return SidecarHost(repository).start()
 
@@ -58,7 +58,7 @@ class RoutedHost:
 
 
 # Each host, with its generations through the ensemble and through the replica's own
-# tokenize and detokenize steps (serve/triton/steps.py): the same cases hold for both.
+# tokenize and detokenize steps (serve/engines/triton/steps.py): the same cases hold for both.
 @pytest.fixture(
     scope="module",
     params=["sidecar-ensemble", "sidecar-replica", "in_process-ensemble", "in_process-replica"],

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from serve.triton.client import generate
+from serve.engines.triton.client import generate
 from tests.lora_adapters import SPECS, make_adapter
 from tests.reference import hf_greedy
 from tritonllm import contract

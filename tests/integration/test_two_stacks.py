@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from serve.triton.launcher import free_port
+from serve.engines.triton.launcher import free_port
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ import yaml
 from rich.console import Console
 
 from bench import fairness
-from serve.api.keyring import load_tenants
+from serve.api.common.keyring import load_tenants
 from serve.app import fair_seats
 from serve.config import AppConfig
 from tests.conftest import REPOSITORY

@@ -1,6 +1,6 @@
 """How the replica learns that an engine's Python-backend stub died: Triton 2.51 neither
 restarts nor reaps a decoupled model's stub, so its zombie, a child of Triton, says it
-(serve.triton.launcher.dead_stubs; the sidecar host's health check reads it)."""
+(serve.engines.triton.launcher.dead_stubs; the sidecar host's health check reads it)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from serve.triton.launcher import dead_stubs
+from serve.engines.triton.launcher import dead_stubs
 
 
 def _child(tmp_path, name: str, script: str) -> subprocess.Popen:

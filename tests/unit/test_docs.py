@@ -78,3 +78,30 @@ def test_the_anchor_rule_matches_githubs():
         github_anchor("GPU boxes: TensorRT-LLM, the GPU image")
         == "gpu-boxes-tensorrt-llm-the-gpu-image"
     )
+
+
+# A path of the project's own code named in a doc: `serve/api/openai/routes.py`, or a
+# folder such as `serve/engines/triton/`.
+CODE_PATH = re.compile(
+    r"(?<![\w/.-])((?:serve|tritonllm|build_engines|bench|tests|scripts|docker|model_repository)"
+    r"/[\w/.-]*[\w/])"
+)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_code_path_named_exists(doc):
+    """Files move (the packages per API dialect, the engines side by side): a doc that
+    names the old place fails here, not in a reader's editor."""
+    named = set(CODE_PATH.findall(doc.read_text()))
+    missing = sorted(p for p in named if not _exists(p.rstrip("."), doc.parent))
+    assert not missing, f"{doc.name} names paths that do not exist: {missing}"
+
+
+def _exists(path: str, doc_folder: Path) -> bool:
+    """From the root or the doc's folder (docs/bench/ runs are linked as bench/...); a
+    name cut before its ``*`` (``capacity-per-request-*``) is the start of a file's."""
+    for base in (ROOT, doc_folder):
+        whole = base / path
+        if whole.exists() or any(whole.parent.glob(whole.name + "*")):
+            return True
+    return False

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from serve.engines.triton.launcher import free_port
 from serve.launch import OPEN_API_ENV, is_loopback, open_api_refusal
-from serve.triton.launcher import free_port
 from tests.conftest import ROOT
 from tests.processes import listeners
 from tests.unit.test_install import _alive, start_haproxy

@@ -1,4 +1,4 @@
-"""Fair shares (serve/api/fairness.py): who gets a freed seat, by priority, then by
+"""Fair shares (serve/api/common/fairness.py): who gets a freed seat, by priority, then by
 tenant weight over tokens; waiters that leave; requests of several engine calls."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 from starlette.requests import Request
 
-from serve.api.fairness import QUANTUM, FairQueue, QueueFull
-from serve.api.keyring import Caller
-from serve.api.metered import SeatedBackend
+from serve.api.common.fairness import QUANTUM, FairQueue, QueueFull
+from serve.api.common.keyring import Caller
+from serve.api.common.metered import SeatedBackend
 from serve.app import fair_seats
 from serve.config import AppConfig
 from serve.generation import GenerateParams

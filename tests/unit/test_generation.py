@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from serve.engines.triton.requests import chunk_from_outputs
 from serve.generation import (
     GenerateParams,
     GenerationChunk,
@@ -15,7 +16,6 @@ from serve.generation import (
     TopLogProbs,
     coalesce,
 )
-from serve.triton.requests import chunk_from_outputs
 
 
 def chunk(i: int, reason: str | None = None) -> GenerationChunk:

@@ -19,16 +19,16 @@ import pytest
 import schemathesis
 from fastapi.testclient import TestClient
 
-from serve.api.auth import app_keyring
-from serve.api.backend import Embeddings
-from serve.api.errors import APIError, Overloaded
+from serve.api.common.auth import app_keyring
+from serve.api.common.backend import Embeddings
+from serve.api.common.errors import APIError, Overloaded
+from serve.api.common.keyring import Keyring
+from serve.api.common.sampling import GREEDY
+from serve.api.common.token_texts import TokenTexts
 from serve.api.http import create_app
-from serve.api.keyring import Keyring
-from serve.api.sampling import GREEDY
-from serve.api.token_texts import TokenTexts
 from serve.config import APIKeys, AppConfig
+from serve.engines.triton.requests import final_chunk
 from serve.generation import GenerationChunk, PromptLogProbs, TopLogProbs
-from serve.triton.requests import final_chunk
 from tests.fuzzing import server_errors
 
 CONFIG = AppConfig.model_validate(

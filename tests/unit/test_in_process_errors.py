@@ -14,8 +14,8 @@ import types
 
 import pytest
 
+from serve.engines.triton.select import in_process_unavailable_reason
 from serve.generation import GenerationError
-from serve.triton.select import in_process_unavailable_reason
 
 
 @pytest.fixture
@@ -27,10 +27,10 @@ def in_process(monkeypatch):
     if in_process_unavailable_reason() is None:
         pytest.skip("the real tritonserver loads here: the integration tests cover it")
     monkeypatch.setitem(sys.modules, "tritonserver", api)
-    monkeypatch.delitem(sys.modules, "serve.triton.in_process", raising=False)
-    module = importlib.import_module("serve.triton.in_process")
+    monkeypatch.delitem(sys.modules, "serve.engines.triton.in_process", raising=False)
+    module = importlib.import_module("serve.engines.triton.in_process")
     yield module, api
-    sys.modules.pop("serve.triton.in_process", None)
+    sys.modules.pop("serve.engines.triton.in_process", None)
 
 
 def test_typed_errors_map_to_their_kind(in_process):

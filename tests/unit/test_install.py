@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from serve.engines.triton import launcher
+from serve.engines.triton.launcher import RESERVABLE_PORTS, free_port, free_port_range
 from serve.launch import HAPROXY_NOSPLICE, greeting, serve_env, with_http_options
-from serve.triton import launcher
-from serve.triton.launcher import RESERVABLE_PORTS, free_port, free_port_range
 from tests.conftest import ROOT
 
 _spec = importlib.util.spec_from_file_location("install_torch", ROOT / "scripts/install_torch.py")

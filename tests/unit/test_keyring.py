@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from serve.api.keyring import (
+from serve.api.common.keyring import (
     ANYONE,
     DEFAULT_TENANT,
     RELOAD_S,
@@ -173,7 +173,7 @@ def test_an_api_with_keys_never_turns_open_on_a_reload(tmp_path, caplog):
 
 def test_the_module_prints_a_key_s_sha256_form():
     done = subprocess.run(
-        [sys.executable, "-m", "serve.api.keyring"],
+        [sys.executable, "-m", "serve.api.common.keyring"],
         input="my-key\n",
         capture_output=True,
         text=True,
@@ -184,7 +184,7 @@ def test_the_module_prints_a_key_s_sha256_form():
 
 
 def test_a_keys_file_the_replica_cannot_read_names_the_field_and_what_to_do(tmp_path):
-    from serve.api.auth import app_keyring
+    from serve.api.common.auth import app_keyring
     from serve.config import APIKeys
 
     missing = tmp_path / "tenants.yaml"

@@ -13,10 +13,10 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from serve.api.common.keyring import Keyring
+from serve.api.common.limits import MemoryBuckets, RedisBuckets, duration
 from serve.api.http import create_app
-from serve.api.keyring import Keyring
-from serve.api.limits import MemoryBuckets, RedisBuckets, duration
-from serve.triton.launcher import free_port
+from serve.engines.triton.launcher import free_port
 from tests.unit.test_http_api import EndlessBackend, FakeBackend, error_of
 
 

@@ -14,10 +14,10 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from serve.adapters import AdapterCatalog, list_adapters, read_adapter
-from serve.api.errors import NotFound
+from serve.api.common.errors import NotFound
 from serve.config import AppConfig, ModelConfig
+from serve.engines.triton.requests import ensemble_inputs
 from serve.generation import GenerateParams, GenerationChunk, GenerationError, StreamPacing
-from serve.triton.requests import ensemble_inputs
 from tests.unit.test_http_api import FakeBackend, client, error_of
 from tritonllm import contract, lora
 
@@ -289,7 +289,7 @@ class EngineHost:
 
 
 def test_the_replica_sends_the_weights_once_and_again_when_the_engine_lost_them(tmp_path):
-    from serve.deployments.triton_replica import LoadedAdapter, TritonReplica
+    from serve.engines.triton.replica import LoadedAdapter, TritonReplica
 
     write_adapter(tmp_path / "a")
     loaded = LoadedAdapter(read_adapter(str(tmp_path), "a"))

@@ -12,11 +12,11 @@ import anthropic
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.api.errors import Overloaded
+from serve.api.anthropic.schemas import MessagesRequest
+from serve.api.common.errors import Overloaded
+from serve.api.common.keyring import Keyring
+from serve.api.common.structured import NamedToolChoice
 from serve.api.http import create_app
-from serve.api.keyring import Keyring
-from serve.api.messages_schemas import MessagesRequest
-from serve.api.structured import NamedToolChoice
 from tests.unit.test_http_api import FakeBackend
 from tests.unit.test_structured_api import CALL, ScriptedBackend
 

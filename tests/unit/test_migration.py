@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 from ray.exceptions import ActorDiedError
 
-from serve.api.errors import Overloaded
+from serve.api.common.errors import Overloaded
 from serve.config import ModelConfig
 from serve.deployments.ingress import OpenAIIngress
 from serve.generation import GenerateParams, GenerationChunk, GenerationError

@@ -9,9 +9,9 @@ import json
 import pytest
 from ray.exceptions import RayTaskError
 
-from serve.api.errors import Overloaded
-from serve.api.sampling import GREEDY, SamplingDefaults, resolve
-from serve.api.stops import StopStringCutter, cut_text
+from serve.api.common.errors import Overloaded
+from serve.api.common.sampling import GREEDY, SamplingDefaults, resolve
+from serve.api.common.stops import StopStringCutter, cut_text
 from serve.deployments.ingress import as_api_error
 from serve.generation import GenerationError
 from tests.unit.test_http_api import FakeBackend, client, error_of

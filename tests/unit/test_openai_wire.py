@@ -1,13 +1,14 @@
 """The exact JSON of OpenAI's responses and stream chunks, key for key: which keys are
 null, which are left out, in which order. Clients parse these byte strings; a change of
-the models in serve/api/responses.py that alters them must fail here first."""
+the models in serve/api/openai/shapes.py that alters them must fail here first."""
 
 from __future__ import annotations
 
 import json
 import re
 
-from serve.api.responses import CHAT, COMPLETIONS, ChunkEvents, Usage, sse
+from serve.api.common.sse import sse
+from serve.api.openai.shapes import CHAT, COMPLETIONS, ChunkEvents, Usage
 from serve.generation import GenerationChunk
 from tests.unit.test_http_api import client
 from tests.unit.test_structured_api import CALL, USER, WEATHER, ScriptedBackend, post

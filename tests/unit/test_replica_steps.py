@@ -1,4 +1,4 @@
-"""The replica's own tokenize and detokenize steps (serve/triton/steps.py), without Triton:
+"""The replica's own tokenize and detokenize steps (serve/engines/triton/steps.py), without Triton:
 the engine step's tensors as the ensemble would feed them, read from its config."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from serve.engines.triton.steps import ReplicaSteps, StepsUnsupported, read_steps
 from serve.generation import GenerateParams, GenerationError
-from serve.triton.steps import ReplicaSteps, StepsUnsupported, read_steps
 from tritonllm import contract
 from tritonllm.preprocess import preprocess
 

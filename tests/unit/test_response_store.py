@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from ray.exceptions import ActorUnavailableError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from serve.api.errors import Overloaded
-from serve.api.response_store import (
+from serve.api.common.errors import Overloaded
+from serve.api.openai.responses.store import (
     DEFAULT_KEY_PREFIX,
     MemoryStore,
     RecordTooLarge,

@@ -12,14 +12,14 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.api.answer import start_answer
-from serve.api.errors import Overloaded
+from serve.api.common.errors import Overloaded
+from serve.api.common.keyring import Keyring
 from serve.api.http import create_app
-from serve.api.keyring import Keyring
-from serve.api.prepare import ChatTurn
-from serve.api.response_store import MemoryStore
-from serve.api.responses_api import _Draft, _events
-from serve.api.responses_schemas import ResponsesRequest
+from serve.api.openai.answer import start_answer
+from serve.api.openai.prepare import ChatTurn
+from serve.api.openai.responses.routes import _Draft, _events
+from serve.api.openai.responses.schemas import ResponsesRequest
+from serve.api.openai.responses.store import MemoryStore
 from serve.generation import GenerateParams
 from tests.unit.test_http_api import error_of
 from tests.unit.test_structured_api import CALL, DEEP, SCHEMA, ScriptedBackend

@@ -1,4 +1,4 @@
-"""Which Triton host a replica gets (serve/triton/select.py)."""
+"""Which Triton host a replica gets (serve/engines/triton/select.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import pytest
 from pydantic import ValidationError
 
 from serve.config import ModelConfig, TritonConfig
-from serve.deployments.triton_replica import TritonReplica
-from serve.triton.select import (
+from serve.engines.triton.replica import TritonReplica
+from serve.engines.triton.select import (
     HostUnavailable,
     choose_host,
     decide_mode,
     in_process_unavailable_reason,
 )
-from serve.triton.sidecar import SidecarHost
+from serve.engines.triton.sidecar import SidecarHost
 
 HERE = in_process_unavailable_reason()  # None in the NGC image, a reason on Debian 12
 
@@ -81,7 +81,7 @@ def test_on_this_machine_auto_is_a_sidecar_and_in_process_refuses(tmp_path):
 
 @pytest.mark.skipif(HERE is not None, reason=f"in-process API unavailable: {HERE}")
 def test_where_it_loads_auto_is_in_process(tmp_path):
-    from serve.triton.in_process import InProcessHost
+    from serve.engines.triton.in_process import InProcessHost
 
     host = choose_host(TritonConfig(mode="auto", model_repository=tmp_path))
     assert isinstance(host, InProcessHost) and host.repository == tmp_path.resolve()

@@ -7,19 +7,19 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from serve.api.chat_template import render_chat_prompt
-from serve.api.errors import APIError
-from serve.api.schemas import ChatCompletionRequest, CompletionRequest
+from serve.api.common.chat_template import render_chat_prompt
+from serve.api.common.errors import APIError
+from serve.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from serve.config import AppConfig
-from serve.generation import GenerateParams, GenerationChunk, GenerationError
-from serve.triton import repository
-from serve.triton.requests import (
+from serve.engines.triton import repository
+from serve.engines.triton.requests import (
     ResponseReader,
     ensemble_inputs,
     ensemble_outputs,
     inferred_finish_reason,
 )
-from serve.triton.sidecar import classify
+from serve.engines.triton.sidecar import classify
+from serve.generation import GenerateParams, GenerationChunk, GenerationError
 from tests.conftest import ROOT
 from tritonllm import contract
 
@@ -63,7 +63,7 @@ def test_the_shipped_serve_config_validates():
 def test_a_triton_replica_logs_access_lines_where_it_answers_http_unless_told(
     access_log, answers_http, logged
 ):
-    from serve.deployments.triton_replica import logs_access
+    from serve.engines.triton.replica import logs_access
 
     deployment = {} if access_log is None else {"access_log": access_log}
     config = AppConfig.model_validate({"models": [{"id": "m", "deployment": deployment}]})
@@ -81,7 +81,7 @@ def test_access_log_is_not_passed_to_serve(built_repository):
 def test_the_access_line_filter_drops_serves_access_lines_alone():
     import logging
 
-    from serve.deployments.triton_replica import not_an_access_line
+    from serve.engines.triton.replica import not_an_access_line
 
     def record(**extra) -> logging.LogRecord:
         line = logging.LogRecord("ray.serve", logging.INFO, __file__, 1, "msg", None, None)
@@ -339,7 +339,7 @@ def test_engines_sharing_a_gpu_must_fit_their_kv_cache_fractions(
 
 
 def test_the_engines_refusal_of_a_guide_names_the_field_it_came_from():
-    from serve.api.errors import APIError
+    from serve.api.common.errors import APIError
     from serve.deployments.ingress import _name_the_guide
 
     guided = GenerateParams("p", 4, guide_type="regex", guide="a+", guide_field="guided_regex")

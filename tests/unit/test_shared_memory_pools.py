@@ -1,13 +1,13 @@
 """A killed Triton's shared-memory pools (files in /dev/shm, 64 MiB a stub) are removed:
 by its launcher once it has exited, or by the next launch when the launcher is gone too
-(serve.triton.launcher.remove_orphaned_pools)."""
+(serve.engines.triton.launcher.remove_orphaned_pools)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 
-from serve.triton.launcher import SHM_PREFIX, TritonProcess, remove_orphaned_pools
+from serve.engines.triton.launcher import SHM_PREFIX, TritonProcess, remove_orphaned_pools
 
 
 def dead_pid() -> int:

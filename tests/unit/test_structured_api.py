@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 
 from serve.api.http import create_app
 from serve.config import AppConfig
+from serve.engines.triton.requests import final_chunk
 from serve.generation import GenerationChunk
-from serve.triton.requests import final_chunk
 from tests.unit.test_http_api import FakeBackend, error_of
 
 CONFIG = AppConfig.model_validate(
@@ -413,8 +413,8 @@ def test_a_guided_requests_preparation_runs_off_the_event_loop():
     import asyncio
     import time
 
-    from serve.api.prepare import guided
-    from serve.api.schemas import ChatCompletionRequest
+    from serve.api.openai.prepare import guided
+    from serve.api.openai.schemas import ChatCompletionRequest
 
     async def ticks_while(body) -> int:
         count = 0

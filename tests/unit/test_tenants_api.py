@@ -9,10 +9,10 @@ import textwrap
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.api.fairness import FairQueue
+from serve.api.common.fairness import FairQueue
+from serve.api.common.keyring import RELOAD_S, Keyring
 from serve.api.http import create_app
-from serve.api.keyring import RELOAD_S, Keyring
-from serve.api.response_store import MemoryStore
+from serve.api.openai.responses.store import MemoryStore
 from tests.unit.test_http_api import FakeBackend, error_of
 
 TENANTS = """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve.api.token_texts import TokenTexts
+from serve.api.common.token_texts import TokenTexts
 from tritonllm import tokenization
 
 # The default tokenizer splits the rocket into three tokens (" \\xf0\\x9f", "\\x9a", "\\x80").

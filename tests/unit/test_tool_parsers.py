@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from serve.api.tool_parsers import SYNTAXES, ToolCallParser, parse_whole
+from serve.api.common.tool_parsers import SYNTAXES, ToolCallParser, parse_whole
 
 HERMES, LLAMA = SYNTAXES["hermes"], SYNTAXES["llama3_json"]
 ARGUMENTS = {"city": 'Pa"ris }{', "days": [1, {"n": 2}], "ok": True, "none": None}

@@ -25,7 +25,7 @@ from build_engines.targets.base import BuildSpec
 from build_engines.targets.trtllm_engine import TrtllmTarget
 from build_engines.targets.trtllm_pytorch import TrtllmPytorchTarget
 from build_engines.trtllm_settings import SettingsError, TrtllmSettings, llm_api_options
-from serve.triton import repository as serve_repository
+from serve.engines.triton import repository as serve_repository
 from tests.conftest import REPOSITORY
 from tritonllm import contract
 from tritonllm.llmapi import OPTIONS_FILE

@@ -12,9 +12,9 @@ import yaml
 from pydantic import ValidationError
 
 from serve.config import ROOT, AppConfig, ModelConfig
+from serve.engines.vllm.deployment import llm_config, lora_llm_config, vllm_max_lora_rank
+from serve.engines.vllm.params import ChunkReader, sampling_kwargs
 from serve.generation import GenerateParams, GenerationChunk, PromptLogProbs, TopLogProbs
-from serve.vllm_deployment import llm_config, lora_llm_config, vllm_max_lora_rank
-from serve.vllm_params import ChunkReader, sampling_kwargs
 
 
 def vllm_model(**fields) -> ModelConfig:
@@ -84,7 +84,7 @@ def test_bad_vllm_models_are_refused_with_the_field_named(fields, message):
     [{}, {"top_k": 1}, {"top_k": 1, "temperature": 0.8}, {"temperature": 0.0}],
 )
 def test_greedy_requests_are_greedy_as_on_the_triton_path(sampling):
-    # {"top_k": 1} is how the API sends a resolved greedy request (serve/api/sampling.py).
+    # {"top_k": 1} is how the API sends a resolved greedy request (serve/api/common/sampling.py).
     kwargs = sampling_kwargs(GenerateParams(prompt="p", max_tokens=8, **sampling))
     assert kwargs == {
         "max_tokens": 8,

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: its route and its schemas."""

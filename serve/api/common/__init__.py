@@ -1,0 +1,3 @@
+"""Pieces every API dialect uses: errors, API keys and tenants' limits, fair shares,
+metering, the backend interface, SSE, sampling defaults, stops, structured outputs
+and tool-call parsing."""

@@ -1,0 +1,1 @@
+"""vLLM under Ray Serve LLM: the deployment, its parameters and its server."""

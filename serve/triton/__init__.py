@@ -1,1 +1,0 @@
-"""One Triton server per replica."""
