@@ -140,6 +140,14 @@ def _skips_special_tokens(model: ModelConfig) -> bool:
     return repository.skips_special_tokens(model.triton.repository_path())
 
 
+def _adds_special_tokens(model: ModelConfig) -> bool:
+    """Whether the model's engine encodes a prompt with its tokenizer's special tokens
+    (BOS): the preprocessing's parameter, vLLM's default."""
+    if model.engine == "vllm":
+        return True
+    return repository.adds_special_tokens(model.triton.repository_path())
+
+
 def _serves_engine_extensions(model: ModelConfig) -> bool:
     """Whether the model's engine takes the contract's extensions (the torch engine, not
     TensorRT-LLM's backends nor vLLM)."""
@@ -198,6 +206,7 @@ class ApiBackend:
             if m.task == "generate"
         }
         self._sampling = {i: SamplingDefaults.from_checkpoint(d) for i, d in checkpoints.items()}
+        self._adds_special = {m.id: _adds_special_tokens(m) for m in generating}
         self._extensions = {
             m.id: _serves_engine_extensions(m) for m in config.models if m.task == "generate"
         }
@@ -236,6 +245,10 @@ class ApiBackend:
 
     def vocab_size(self, model: ModelConfig) -> int:
         return len(self.tokenizers[model.id])
+
+    def count_prompt_tokens(self, model: ModelConfig, prompt: str) -> int:
+        tokenizer, adds_special = self.tokenizers[model.id], self._adds_special[model.id]
+        return len(tokenization.encode(tokenizer, prompt, adds_special))
 
     def token_texts(self, model: ModelConfig) -> TokenTexts:
         return self._token_texts[model.id]

@@ -54,6 +54,20 @@ def test_a_message_has_real_token_counts(client):
     assert block.type == "text" and block.text
 
 
+def test_count_tokens_equals_the_input_tokens_the_message_reports(client):
+    """The ingress counts with the engine's tokenizer and its preprocessing's special
+    tokens: the count is what the engine read, cache hits included."""
+    asked = {"model": MODEL, "system": "Answer briefly.", "messages": ASK, **FORCED}
+    counted = client.messages.count_tokens(**asked)
+    message = client.messages.create(**asked, max_tokens=40)
+    usage = message.usage
+    assert counted.input_tokens == usage.input_tokens + usage.cache_read_input_tokens
+    plain = client.messages.count_tokens(model=MODEL, messages=ASK)
+    assert plain.input_tokens < counted.input_tokens  # the tools are part of the prompt
+    reply = client.messages.create(model=MODEL, messages=ASK, max_tokens=4)
+    assert plain.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
+
+
 def test_a_streamed_message_is_its_deltas_joined(client):
     with client.messages.stream(model=MODEL, max_tokens=16, messages=ASK) as stream:
         deltas = list(stream.text_stream)

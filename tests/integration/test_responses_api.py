@@ -70,6 +70,49 @@ def test_create_and_stream_answer_text_with_real_usage(client):
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_log_probabilities_equal_chats_for_the_same_greedy_request(client):
+    """The engine's own log probabilities, through the replica and the ingress, in the
+    Responses API's shape: chat's entries token for token, whole and streamed."""
+    asked = {"model": MODEL, "temperature": 0, "top_logprobs": 2}
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=12,
+        logprobs=True,
+        **asked,
+    )
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    assert len(expected) >= 2 and all(len(e["top_logprobs"]) == 2 for e in expected)
+    request = {**asked, "input": "Say hello.", "max_output_tokens": 12}
+    request["include"] = ["message.output_text.logprobs"]
+    whole = client.responses.create(**request)
+    assert whole.output_text == chat.choices[0].message.content
+    assert [e.model_dump() for e in whole.output[0].content[0].logprobs] == expected
+    with client.responses.stream(**request) as stream:
+        deltas = [e for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert [e.model_dump() for d in deltas for e in d.logprobs] == expected
+    assert [e.model_dump() for e in final.output[0].content[0].logprobs] == expected
+
+
+def test_input_items_list_what_a_stored_response_was_sent(client):
+    sent = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": "Hello Ada."},
+        {"role": "user", "content": [{"type": "input_text", "text": "What is my name?"}]},
+    ]
+    response = client.responses.create(model=MODEL, input=sent, max_output_tokens=8)
+    items = list(client.responses.input_items.list(response.id, order="asc"))
+    assert [(item.type, item.role) for item in items] == [("message", s["role"]) for s in sent]
+    assert [item.content[0].text for item in items] == [
+        "My name is Ada.",
+        "Hello Ada.",
+        "What is my name?",
+    ]
+    assert len({item.id for item in items}) == 3
+    newest = client.responses.input_items.list(response.id, limit=1)
+    assert newest.data[0].id == items[-1].id and newest.has_more
+
+
 def test_a_function_tool_round_trip_chained_by_previous_response_id(client):
     first = client.responses.create(
         model=MODEL,

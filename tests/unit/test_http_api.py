@@ -135,6 +135,9 @@ class FakeBackend:
     def vocab_size(self, model):
         return 100
 
+    def count_prompt_tokens(self, model, prompt):
+        return len(prompt.split())  # as _chunks counts a prompt's tokens: its words
+
     async def embed(self, model, texts):
         vectors = np.array([[len(t), 1.5, -2.0] for t in texts], dtype=np.float32)
         return Embeddings(vectors, sum(len(t.split()) for t in texts))

@@ -480,7 +480,7 @@ def test_a_request_without_max_tokens_names_it():
 def test_routing_and_size_errors_under_the_path_are_anthropics_and_others_stay_openais():
     api = http()
     anthropic_error(api.get("/v1/messages"), 405, "invalid_request_error")
-    anthropic_error(api.post("/v1/messages/count_tokens", json={}), 404, "not_found_error")
+    anthropic_error(api.post("/v1/messages/batches", json={}), 404, "not_found_error")
     big = json.dumps(
         {"model": "llm", "max_tokens": 1, "messages": [{"role": "user", "content": "x" * 5000}]}
     )
@@ -551,3 +551,41 @@ def test_the_key_comes_as_x_api_key_or_bearer():
         sdk(keys=frozenset({"k"}), api_key="k9").messages.create(**body)
     # OpenAI's routes keep their one header.
     assert api.get("/v1/models", headers={"x-api-key": "k"}).status_code == 401
+
+
+def test_count_tokens_equals_the_input_tokens_of_the_same_message():
+    """The anthropic SDK's ``count_tokens``: the system prompt, the messages and the
+    tools the template renders, counted as the answer's usage counts them."""
+    backend = FakeBackend()
+    asked = {
+        "model": "llm",
+        "system": "be brief",
+        "messages": [{"role": "user", "content": "one two three"}],
+    }
+    counted = sdk(backend).messages.count_tokens(**asked)
+    message = sdk(backend).messages.create(**asked, max_tokens=16)
+    usage = message.usage
+    assert counted.input_tokens == usage.input_tokens + usage.cache_read_input_tokens == 5
+    assert len(backend.params) == 1  # counting generates nothing
+
+
+@pytest.mark.parametrize(
+    "body, kind, words",
+    [
+        ({"model": "nope", "messages": ASK}, "not_found_error", "nope"),
+        ({"model": "llm", "messages": []}, "invalid_request_error", "messages"),
+        ({"model": "emb", "messages": ASK}, "not_found_error", "generate model 'emb'"),
+    ],
+)
+def test_count_tokens_refuses_in_anthropics_shape(body, kind, words):
+    response = http().post("/v1/messages/count_tokens", json=body)
+    status = 404 if kind == "not_found_error" else 400
+    assert words in anthropic_error(response, status, kind)
+
+
+def test_count_tokens_wants_the_api_key():
+    api = http(keys=frozenset({"k"}))
+    body = {"model": "llm", "messages": ASK}
+    assert api.post("/v1/messages/count_tokens", json=body).status_code == 401
+    counted = api.post("/v1/messages/count_tokens", json=body, headers={"x-api-key": "k"})
+    assert counted.status_code == 200 and counted.json() == {"input_tokens": 3}

@@ -364,6 +364,16 @@ def test_logit_bias_reaches_the_engine_as_token_ids():
     assert backend.params[-1].logit_bias == ((7, 100.0), (9, -100.0))
 
 
+def test_logit_bias_keys_outside_the_vocabulary_are_one_400_naming_each():
+    one = {"model": "llm", "prompt": "a", "logit_bias": {"7": 1, "100": 1}}
+    error = error_of(client().post("/v1/completions", json=one), 400)
+    assert error["param"] == "logit_bias"
+    assert "key '100' is not a token id of this model's vocabulary [0, 100)" in error["message"]
+    several = chat("a", logit_bias={"250": 1, "7": 1, "100": -1})
+    error = error_of(client().post("/v1/chat/completions", json=several), 400)
+    assert "keys '250', '100' are not token ids" in error["message"]
+
+
 def test_token_id_prompts_go_to_the_engine_as_they_are():
     backend = FakeBackend()
     api = client(backend)

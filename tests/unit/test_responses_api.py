@@ -18,10 +18,10 @@ from serve.api.http import create_app
 from serve.api.openai.answer import start_answer
 from serve.api.openai.prepare import ChatTurn
 from serve.api.openai.responses.routes import _Draft, _events
-from serve.api.openai.responses.schemas import ResponsesRequest
+from serve.api.openai.responses.schemas import LOG_PROBS, ResponsesRequest
 from serve.api.openai.responses.store import MemoryStore
 from serve.generation import GenerateParams
-from tests.unit.test_http_api import error_of
+from tests.unit.test_http_api import FakeBackend, error_of
 from tests.unit.test_structured_api import CALL, DEEP, SCHEMA, ScriptedBackend
 
 WEATHER = {
@@ -238,6 +238,11 @@ def test_what_one_api_key_stores_no_other_key_reads_chains_from_or_deletes():
     # The store holds neither key, only what names its owner without revealing the key.
     held = " ".join(backend.response_store._texts)
     assert "key-a" not in held and "key-b" not in held and whole.id in held
+    with pytest.raises(openai.NotFoundError):
+        other.responses.input_items.list(whole.id)
+    assert [item.content[0].text for item in owner.responses.input_items.list(whole.id)] == [
+        "I am Ada."
+    ]
     owner.responses.delete(whole.id)
     with pytest.raises(openai.NotFoundError):
         owner.responses.retrieve(whole.id)
@@ -261,7 +266,8 @@ def test_without_a_store_nothing_is_kept_and_chaining_is_a_400():
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
         ({"input": "x", "tool_choice": "required"}, None),
-        ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
+        ({"input": "x", "include": ["message.output_text.log_probs"]}, "include"),
+        ({"input": "x", "include": [LOG_PROBS], "top_logprobs": 21}, "top_logprobs"),
         ({"input": "x", "truncation": "auto"}, "truncation"),
         ({"input": "x", "conversation": "conv_1"}, "conversation"),
         ({"input": "x", "max_output_tokens": 1000}, "max_output_tokens"),
@@ -362,3 +368,93 @@ def test_metadata_with_a_lone_surrogate_is_a_400_not_a_cut_stream(stream):
         "/v1/responses", content=raw, headers={"content-type": "application/json"}
     )
     assert "surrogate" in error_of(response, 400)["message"]
+
+
+@pytest.mark.parametrize("top", [0, 2])
+def test_log_probabilities_equal_chats_whole_and_streamed(top):
+    """Included, the output text's ``logprobs`` are chat's token entries for the same
+    request (the end token last), whole, streamed (the deltas' together) and in the
+    final response; the response echoes ``top_logprobs``."""
+    backend = FakeBackend()
+    chat = sdk(backend).chat.completions.create(
+        model="llm",
+        messages=[{"role": "user", "content": "a b c"}],
+        logprobs=True,
+        top_logprobs=top,
+    )
+    expected = [t.model_dump() for t in chat.choices[0].logprobs.content]
+    assert [t["token"] for t in expected] == ["<0>", "<1>", "<2>", "</s>"]
+    asked = {"model": "llm", "input": "a b c", "include": [LOG_PROBS], "top_logprobs": top}
+    whole = sdk(backend).responses.create(**asked, store=False)
+    assert whole.top_logprobs == top
+    assert [t.model_dump() for t in whole.output[0].content[0].logprobs] == expected
+    with sdk(backend).responses.stream(**asked, store=False) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = [t.model_dump() for e in events if e.type.endswith("text.delta") for t in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert deltas == expected and [t.model_dump() for t in done.logprobs] == expected
+    assert [t.model_dump() for t in final.output[0].content[0].logprobs] == expected
+    plain = sdk(backend).responses.create(model="llm", input="a b c", store=False)
+    assert plain.output[0].content[0].logprobs == [] and not backend.params[-1].return_log_probs
+
+
+def test_alternatives_of_a_model_without_them_are_a_400_naming_top_logprobs():
+    backend = FakeBackend()
+    backend.alternatives = False  # TensorRT-LLM: the chosen tokens' log probabilities only
+    asked = {"model": "llm", "input": "a", "include": [LOG_PROBS], "store": False}
+    error = error_of(api(backend).post("/v1/responses", json={**asked, "top_logprobs": 2}), 400)
+    assert error["param"] == "top_logprobs" and "TensorRT-LLM" in error["message"]
+    chosen = api(backend).post("/v1/responses", json={**asked, "top_logprobs": 0}).json()
+    assert [t["token"] for t in chosen["output"][0]["content"][0]["logprobs"]] == ["<0>", "</s>"]
+
+
+SENT = [
+    {"role": "user", "content": "weather in Paris?"},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    {"role": "user", "content": [{"type": "input_text", "text": "and tomorrow?"}]},
+]
+
+
+def test_input_items_list_what_the_response_was_sent_a_page_at_a_time():
+    backend = StoringBackend("Sunny too.")
+    client = sdk(backend)
+    first = client.responses.create(model="llm", input=SENT, tools=[WEATHER])
+    listed = client.responses.input_items.list(first.id, order="asc")
+    items = [item.model_dump(exclude_none=True) for item in listed]
+    assert [item["type"] for item in items] == [s.get("type", "message") for s in SENT]
+    assert items[0]["content"] == [{"type": "input_text", "text": "weather in Paris?"}]
+    assert items[3]["content"] == SENT[3]["content"] and items[0]["role"] == "user"
+    assert (items[1]["call_id"], items[1]["name"], items[2]["output"]) == (
+        "call_1",
+        *"get_weather sunny".split(),
+    )
+    assert [item["id"].split("_")[0] for item in items] == ["msg", "fc", "fco", "msg"]
+    assert all(item["status"] == "completed" for item in items)
+    # OpenAI's default order is the last sent first; the SDK pages on after=last_id.
+    newest_first = client.responses.input_items.list(first.id)
+    assert [item.id for item in newest_first] == [item["id"] for item in items][::-1]
+    one = client.responses.input_items.list(first.id, limit=1, order="asc")
+    assert [item.id for item in one.data] == [items[0]["id"]] and one.has_more
+    assert [item.id for item in one] == [item["id"] for item in items]  # every page
+    # The ids stay the response's: a second listing gives the same.
+    again = client.responses.input_items.list(first.id, order="asc")
+    assert [item.id for item in again] == [item["id"] for item in items]
+    # A chained response lists its own input only, not the conversation before it.
+    second = client.responses.create(model="llm", input="thanks", previous_response_id=first.id)
+    [only] = client.responses.input_items.list(second.id).data
+    assert only.content[0].text == "thanks" and only.role == "user"
+
+
+def test_input_items_of_an_unknown_response_or_after_an_unknown_item_are_errors():
+    backend = StoringBackend("ok")
+    client = sdk(backend)
+    created = client.responses.create(model="llm", input="x")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_" + "0" * 32)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.input_items.list(created.id, after="msg_unknown")
+    assert refused.value.body["param"] == "after"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(created.id, limit=101)

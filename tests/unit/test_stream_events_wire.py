@@ -127,6 +127,7 @@ RESPONSE = (
     '"parallel_tool_calls":true,"previous_response_id":null,'
     '"reasoning":{"effort":null,"summary":null},"store":true,"temperature":null,'
     '"text":{"format":{"type":"text"}},"tool_choice":"auto","tools":[],"top_p":null,'
+    '"top_logprobs":null,'
     '"truncation":"disabled","usage":%s,"user":null%s}'
 )
 

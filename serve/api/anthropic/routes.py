@@ -1,4 +1,4 @@
-"""Anthropic's Messages API: ``POST /v1/messages``.
+"""Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
 A message is one chat turn on the path every chat-shaped API shares: the request
 becomes a chat request (:meth:`MessagesRequest.chat_request`) for
@@ -10,6 +10,7 @@ as its stream of events. Errors on this path have Anthropic's shape
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from serve.api.anthropic.schemas import (
+    CountTokensRequest,
     ErrorEvent,
     InputJSONDelta,
     Message,
@@ -52,7 +54,7 @@ from serve.api.openai.answer import (
     start_answer,
     whole_answer,
 )
-from serve.api.openai.prepare import BackendDep, chat_turn, guided
+from serve.api.openai.prepare import BackendDep, chat_turn, count_prompt_tokens, guided
 from serve.api.openai.schemas import ChatCompletionRequest
 
 log = logging.getLogger("ray.serve")
@@ -73,7 +75,17 @@ async def create_message(body: MessagesRequest, request: Request, backend: Backe
     return EventStream(stream)
 
 
-def _chat_request(body: MessagesRequest) -> ChatCompletionRequest:
+@messages_router.post(MESSAGES_PATH + "/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request, backend: BackendDep):
+    """The message's input tokens, as its answer's usage would count them (the cached
+    and the uncached together): its prompt, tokenized off the event loop that relays
+    the streams."""
+    chat = _chat_request(body)
+    count = functools.partial(count_prompt_tokens, chat, request, backend)
+    return {"input_tokens": await asyncio.to_thread(count)}
+
+
+def _chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
     try:
         return body.chat_request()
     except ValidationError as error:  # what the blocks say only once they are messages

@@ -240,22 +240,15 @@ class ThinkingParam(_Strict):
     type: Literal["disabled"]
 
 
-class MessagesRequest(_Strict):
+class _Conversation(_Strict):
+    """What a message and a count of its tokens both read: the model, the system
+    prompt, the messages and the tools."""
+
     model: Text
-    max_tokens: int = Field(ge=1)
     messages: list[MessageParam] = Field(min_length=1)
     system: Text | list[TextBlockParam] | None = None
-    stop_sequences: list[Annotated[Text, Field(min_length=1)]] | None = Field(
-        None, max_length=MAX_STOP_SEQUENCES
-    )
-    temperature: float | None = Field(None, ge=0, le=1)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    stream: bool = False
-    metadata: Metadata | None = None
     tools: list[ToolParam] | None = Field(None, max_length=128)
     tool_choice: ToolChoiceParam | None = None
-    service_tier: Literal["auto", "standard_only"] | None = None  # accepted: one tier here
     thinking: ThinkingParam | None = None
     cache_control: CacheControl | None = None
 
@@ -316,21 +309,17 @@ class MessagesRequest(_Strict):
         """The chat request of the same turn (one choice)."""
         choice = self.tool_choice
         messages = [m for message in self.messages for m in message.chat_messages()]
-        request = ChatCompletionRequest(
+        return ChatCompletionRequest(
             model=self.model,
             messages=self._system_messages() + messages,
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,  # Anthropic's 0-1 lies within OpenAI's 0-2
-            top_p=self.top_p,
-            top_k=self.top_k,
-            user=self.metadata.user_id if self.metadata else None,
             tools=[tool.chat_tool() for tool in self.tools] if self.tools else None,
             tool_choice=choice.chat_choice() if choice else None,
             parallel_tool_calls=False if choice and choice.disable_parallel_tool_use else None,
+            **self._sampling(),
         )
-        # Chat holds stop to OpenAI's 4 strings; the engines and the stop-string cutter
-        # take any number, and Anthropic's clients may send more: set past that check.
-        return request.model_copy(update={"stop": list(self.stop_sequences or [])})
+
+    def _sampling(self) -> dict[str, Any]:
+        return {}
 
     def _system_messages(self) -> list[ChatMessage]:
         if self.system is None or self.system == []:
@@ -339,6 +328,38 @@ class MessagesRequest(_Strict):
             return [ChatMessage(role="system", content=self.system)]
         parts = [{"type": "text", "text": block.text} for block in self.system]
         return [ChatMessage(role="system", content=parts)]
+
+
+class CountTokensRequest(_Conversation):
+    """``POST /v1/messages/count_tokens``: what the model would read of a message."""
+
+
+class MessagesRequest(_Conversation):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[Annotated[Text, Field(min_length=1)]] | None = Field(
+        None, max_length=MAX_STOP_SEQUENCES
+    )
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None  # accepted: one tier here
+
+    def chat_request(self) -> ChatCompletionRequest:
+        # Chat holds stop to OpenAI's 4 strings; the engines and the stop-string cutter
+        # take any number, and Anthropic's clients may send more: set past that check.
+        request = super().chat_request()
+        return request.model_copy(update={"stop": list(self.stop_sequences or [])})
+
+    def _sampling(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,  # Anthropic's 0-1 lies within OpenAI's 0-2
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "user": self.metadata.user_id if self.metadata else None,
+        }
 
 
 # -- the answer --------------------------------------------------------------------------

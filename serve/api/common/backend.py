@@ -41,6 +41,10 @@ class Backend(Protocol):
         """The messages (and the tools, OpenAI's shape) rendered with the model's chat
         template (one BOS)."""
 
+    def count_prompt_tokens(self, model: ModelConfig, prompt: str) -> int:
+        """How many tokens the model's engine reads for ``prompt``: its tokenizer's, with
+        the special tokens the engine's tokenization adds (the answer's input tokens)."""
+
     def vocab_size(self, model: ModelConfig) -> int:
         """How many token ids the model's tokenizer knows (a token-id prompt's bound)."""
 

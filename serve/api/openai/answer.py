@@ -1,18 +1,21 @@
 """One chat answer as the Responses and Messages APIs give it: its text cut at the
-first stop string and split into content and tool calls, whole or as events while it
-streams. (Chat completions answers ``n`` choices with log probabilities, in OpenAI's
-chunk shape: :mod:`serve.api.openai.routes` streams those.)
+first stop string and split into content and tool calls, with its tokens' log
+probabilities where asked, whole or as events while it streams. (Chat completions
+answers ``n`` choices in OpenAI's chunk shape: :mod:`serve.api.openai.routes` streams
+those.)
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from serve.api.common.backend import Backend
 from serve.api.common.stops import StopStringCutter
 from serve.api.common.tool_parsers import ToolCall, ToolCallParser, parse_whole
+from serve.api.openai.log_probs import LogProbs
 from serve.api.openai.prepare import ChatTurn
+from serve.api.openai.shapes import CHAT, ChatTokenLogProb
 from serve.generation import GenerationChunk
 
 
@@ -26,6 +29,8 @@ class Answer:
     finish_reason: str
     stop_string: str | None  # the stop string it ended at (cut from the content)
     last: GenerationChunk  # the token counts
+    # Every generated token's, as chat completions gives them (None: not asked for).
+    log_probs: list[ChatTokenLogProb] | None = None
 
     @property
     def usage(self) -> tuple[int, int, int]:
@@ -37,6 +42,8 @@ class Answer:
 @dataclass(frozen=True)
 class ContentDelta:
     text: str
+    # The tokens' that came since the last delta (asked for: see Answer.log_probs).
+    log_probs: list[ChatTokenLogProb] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,17 @@ async def whole_answer(backend: Backend, turn: ChatTurn) -> Answer:
     finish = "stop" if cutter.stopped else last.finish_reason
     kept += cutter.flush()  # empty once a stop string was found
     content, calls = parse_whole(turn.syntax, kept) if turn.syntax else (kept, [])
-    return Answer(content, calls, _finish(finish, calls), cutter.stop, last)
+    log_probs = _log_probs(backend, turn)
+    tokens = log_probs(last) if log_probs else None
+    return Answer(content, calls, _finish(finish, calls), cutter.stop, last, tokens)
+
+
+def _log_probs(backend: Backend, turn: ChatTurn):
+    """A chunk's tokens' log probabilities, as chat gives them; None where not asked."""
+    if not turn.params[0].return_log_probs:
+        return None
+    shaped = LogProbs(backend, turn.model, CHAT, [""])
+    return lambda chunk: shaped(0, chunk).content
 
 
 class AnswerStream:
@@ -94,34 +111,63 @@ async def start_answer(backend: Backend, turn: ChatTurn) -> AnswerStream:
     HTTP status; a failure later is raised by the iterator (an
     :class:`serve.api.common.errors.APIError` where it is the client's to read)."""
     first, rest = await backend.start(turn.model, turn.params[0])
-    return AnswerStream(first, _events(first, rest, turn))
+    return AnswerStream(first, _events(first, rest, turn, _log_probs(backend, turn)))
 
 
-async def _events(first: GenerationChunk, rest, turn: ChatTurn) -> AsyncIterator[Event]:
+async def _events(first: GenerationChunk, rest, turn: ChatTurn, log_probs) -> AsyncIterator[Event]:
     cutter = StopStringCutter(turn.params[0].stop)
     parser = ToolCallParser(turn.syntax) if turn.syntax else None
     content: list[str] = []  # without a parser: the answer's text
+    tokens = _TokenLog() if log_probs else None
     chunk, finish = first, None
     try:
         async for chunk in _chained(first, rest):
+            if tokens is not None:
+                tokens.add(log_probs(chunk))
             text = cutter.feed(chunk.text)
             finish = "stop" if cutter.stopped else chunk.finish_reason
             if finish:
                 text += cutter.flush()
             if parser is None:
                 content.append(text)
-                if text:
-                    yield ContentDelta(text)
+                events = [ContentDelta(text)] if text else []
             else:
-                for event in _parsed(parser, text, finish is not None):
-                    yield event
+                events = _parsed(parser, text, finish is not None)
+            for event in events:
+                yield tokens.attach(event) if tokens is not None else event
             if finish:
                 break
     finally:
         await rest.aclose()  # a stop string ends the answer: the engine stops too
+    if tokens is not None and parser is None:  # the last tokens brought no text
+        unsent = tokens.attach(ContentDelta(""))
+        if unsent.log_probs:
+            yield unsent
     calls = parser.calls if parser else []
     text = parser.content if parser else "".join(content)
-    yield Answer(text, calls, _finish(finish, calls), cutter.stop, chunk)
+    whole = tokens.whole if tokens is not None else None
+    yield Answer(text, calls, _finish(finish, calls), cutter.stop, chunk, whole)
+
+
+class _TokenLog:
+    """A streamed answer's token log probabilities: all of them, and those not yet sent
+    with a content delta (a chunk whose text is held back, by a stop string that may be
+    starting or a tool call, sends its tokens' with the next delta; an answer without
+    calls sends the last ones, the end token's, in a delta of no text)."""
+
+    def __init__(self):
+        self.whole: list[ChatTokenLogProb] = []
+        self._unsent: list[ChatTokenLogProb] = []
+
+    def add(self, entries: list[ChatTokenLogProb]) -> None:
+        self.whole += entries
+        self._unsent += entries
+
+    def attach(self, event: Event) -> Event:
+        if not isinstance(event, ContentDelta) or not self._unsent:
+            return event
+        sent, self._unsent = self._unsent, []
+        return ContentDelta(event.text, sent)
 
 
 def _parsed(parser: ToolCallParser, text: str, last: bool) -> list[Event]:

@@ -143,8 +143,8 @@ def choices(
 
 
 def _check_log_probs(backend: Backend, model: ModelConfig, body: SamplingFields) -> None:
-    """What the model's engine cannot answer is a 400 naming the field; a logit_bias key
-    outside the vocabulary is a 400 naming the key."""
+    """What the model's engine cannot answer is a 400 naming the field; logit_bias keys
+    outside the vocabulary are a 400 naming each of them."""
     if body.wants_log_probs and not backend.serves_alternatives(model):
         field = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
         if body.top_log_probs:
@@ -160,12 +160,13 @@ def _check_log_probs(backend: Backend, model: ModelConfig, body: SamplingFields)
                 "echo",
             )
     vocab = backend.vocab_size(model)
-    for key in body.logit_bias or {}:
-        if int(key) >= vocab:
-            raise APIError(
-                f"logit_bias key {key!r} is not a token id of this model's vocabulary [0, {vocab})",
-                "logit_bias",
-            )
+    outside = [repr(key) for key in body.logit_bias or {} if int(key) >= vocab]
+    if outside:
+        if len(outside) == 1:
+            keys = f"key {outside[0]} is not a token id"
+        else:
+            keys = f"keys {', '.join(outside)} are not token ids"
+        raise APIError(f"logit_bias {keys} of this model's vocabulary [0, {vocab})", "logit_bias")
 
 
 @dataclass(frozen=True)
@@ -194,18 +195,38 @@ async def guided(prepare: Callable[[], T], body: SamplingFields) -> T:
 
 def chat_turn(body: ChatCompletionRequest, request: Request, backend: Backend) -> ChatTurn:
     """The engine requests of a chat request, every API's (see the module's docstring)."""
-    model, variant = target(request, backend, body.model, "generate")
+    model, variant = _chat_target(body, request, backend)
+    guide, syntax = _chat_guide(body, _call_syntax(model, body))
+    prompt = _chat_prompt(body, model, backend)
+    params = choices(request, body, model, variant, [prompt], body.requested_max_tokens, guide)
+    return ChatTurn(model, params, syntax)
+
+
+def count_prompt_tokens(body: ChatCompletionRequest, request: Request, backend: Backend) -> int:
+    """How many tokens the model reads for a chat request: as many as the answer's
+    usage would count as its input."""
+    model, _ = _chat_target(body, request, backend)
+    return backend.count_prompt_tokens(model, _chat_prompt(body, model, backend))
+
+
+def _chat_target(
+    body: ChatCompletionRequest, request: Request, backend: Backend
+) -> tuple[ModelConfig, str | None]:
+    """The model a chat request names (and its variant or adapter), within the caps."""
+    model, entry = target(request, backend, body.model, "generate")
     if len(body.messages) > backend.config.max_messages:
         raise APIError(
             f"{len(body.messages)} messages, more than the cap of {backend.config.max_messages}",
             "messages",
         )
     check_prompt_chars(backend, sum(len(m.text) for m in body.messages), "messages")
-    guide, syntax = _chat_guide(body, _call_syntax(model, body))
+    return model, entry
+
+
+def _chat_prompt(body: ChatCompletionRequest, model: ModelConfig, backend: Backend) -> str:
+    """The messages and the tools, rendered with the model's chat template."""
     messages = [m.template_message() for m in body.messages]
-    prompt = backend.chat_prompt(model, messages, body.template_tools())
-    params = choices(request, body, model, variant, [prompt], body.requested_max_tokens, guide)
-    return ChatTurn(model, params, syntax)
+    return backend.chat_prompt(model, messages, body.template_tools())
 
 
 def _call_syntax(model: ModelConfig, body: ChatCompletionRequest) -> CallSyntax | None:

@@ -23,6 +23,7 @@ from serve.api.common.errors import APIError, InternalError, NotFound
 from serve.api.common.sse import EventStream, LastEvents, json_response, sse
 from serve.api.common.stops import cut_stream, cut_text
 from serve.api.common.tool_parsers import CallSyntax, ToolCallParser, parse_whole
+from serve.api.openai.log_probs import LogProbs
 from serve.api.openai.prepare import (
     BackendDep,
     chat_turn,
@@ -44,9 +45,7 @@ from serve.api.openai.shapes import (
     CHAT,
     COMPLETIONS,
     ChatChunkChoice,
-    ChatLogProbs,
     ChunkEvents,
-    CompletionLogProbs,
     Embedding,
     EmbeddingList,
     EmbeddingUsage,
@@ -57,7 +56,7 @@ from serve.api.openai.shapes import (
     merge,
 )
 from serve.config import ModelConfig
-from serve.generation import GenerateParams, GenerationChunk, TopLogProbs
+from serve.generation import GenerateParams
 
 log = logging.getLogger("ray.serve")
 
@@ -149,9 +148,7 @@ async def _prompts_alone(backend, model, body: CompletionRequest, params, echoes
         for (_, last), echo in zip(results, echoes, strict=True)
     ]
     head = COMPLETIONS.head(served_id(model, params[0]))
-    log_probs = (
-        _LogProbs(backend, model, COMPLETIONS, echoes) if body.logprobs is not None else None
-    )
+    log_probs = LogProbs(backend, model, COMPLETIONS, echoes) if body.logprobs is not None else None
     if body.stream:
         starts = [(last, _nothing()) for last in lasts]
         return EventStream(_events(body, starts, COMPLETIONS, head, log_probs))
@@ -241,7 +238,7 @@ async def _respond(
 ):
     head = endpoint.head(served_id(model, params[0]))
     echoes = echoes or [""] * len(params)
-    log_probs = _LogProbs(backend, model, endpoint, echoes) if params[0].return_log_probs else None
+    log_probs = LogProbs(backend, model, endpoint, echoes) if params[0].return_log_probs else None
     if not body.stream:
         return await _whole(backend, model, body, params, endpoint, echoes, head, log_probs, syntax)
     starts = await _start_all(backend, model, params)
@@ -250,54 +247,6 @@ async def _respond(
         for (first, rest), p, echo in zip(starts, params, echoes, strict=True)
     ]
     return EventStream(_events(body, starts, endpoint, head, log_probs, syntax))
-
-
-class _LogProbs:
-    """Each choice's ``logprobs``, chunk by chunk, in the shape of its endpoint: its
-    tokens (the end token last, where it ended the answer: the chunk carries its log
-    probability, one beyond its ``token_ids``), with completions' echo the prompt's
-    tokens first, and for completions where each starts in the choice's text."""
-
-    def __init__(self, backend: Backend, model: ModelConfig, endpoint: Endpoint, echoes):
-        self._tokens = backend.token_texts(model)
-        self._endpoint = endpoint
-        self._echoes = echoes
-        self._offsets = None  # each choice's, its answer after its echoed prompt
-        if endpoint.text_offsets:
-            self._offsets = [self._tokens.answer_offsets(len(echo)) for echo in echoes]
-
-    def __call__(self, index: int, chunk: GenerationChunk) -> ChatLogProbs | CompletionLogProbs:
-        ids = chunk.token_ids
-        if chunk.logs_end_token:
-            ids += (self._tokens.end_id,)
-        tokens = self._tokens.texts(ids)
-        log_probs = list(chunk.token_log_probs)
-        alternatives = [self._alternatives(top) for top in chunk.top_log_probs]
-        alternatives = alternatives or [[] for _ in tokens]
-        offsets = self._answer_offsets(index, chunk)
-        if chunk.prompt is not None:  # completions' echo: the prompt's tokens first
-            prompt = chunk.prompt
-            tokens = self._tokens.texts(prompt.token_ids) + tokens
-            log_probs = list(prompt.log_probs) + log_probs
-            tops = prompt.top_log_probs or [None, *([[]] * (len(prompt.token_ids) - 1))]
-            alternatives = [self._alternatives(t) for t in tops] + alternatives
-            if offsets is not None:
-                echoed = self._echoes[index]
-                offsets = self._tokens.prompt_offsets(prompt.token_ids, echoed) + offsets
-        return self._endpoint.logprobs(tokens, log_probs, alternatives, offsets)
-
-    def _answer_offsets(self, index: int, chunk: GenerationChunk) -> list[int] | None:
-        """Where the chunk's tokens start; the end token, never in the text, at its end."""
-        if self._offsets is None:
-            return None
-        answer = self._offsets[index]
-        starts = answer.add(chunk.token_ids)
-        return starts + [answer.position] if chunk.logs_end_token else starts
-
-    def _alternatives(self, top: TopLogProbs | list | None):
-        if top is None or isinstance(top, list):  # none (a prompt's first) or not asked
-            return top
-        return list(zip(self._tokens.texts(top.token_ids), top.log_probs, strict=True))
 
 
 async def _whole(backend, model, body, params, endpoint, echoes, head, log_probs, syntax):

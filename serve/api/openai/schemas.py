@@ -35,7 +35,10 @@ from serve.api.common.structured import (
     guide_of,
 )
 from serve.generation import GenerateParams
-from tritonllm.contract import MAX_TOP_LOG_PROBS
+
+# OpenAI's bound on top_logprobs (chat, Responses) and completions' logprobs, as vLLM
+# takes it; the engines' contract allows as many (a unit test holds them together).
+MAX_TOP_LOG_PROBS = 20
 
 
 def _encodable(text: str) -> str:

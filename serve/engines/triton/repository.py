@@ -53,6 +53,11 @@ def flag(config: model_config_pb2.ModelConfig, key: str) -> bool:
     return value.lower() in ("1", "true", "yes", "on")
 
 
+def adds_special_tokens(repository: Path) -> bool:
+    """Whether the preprocessing encodes prompts with the tokenizer's special tokens."""
+    return flag(read_config(repository, contract.PREPROCESSING), "add_special_tokens")
+
+
 def skips_special_tokens(repository: Path) -> bool:
     """Whether the postprocessing leaves special tokens out of the answers' text."""
     return flag(read_config(repository, contract.POSTPROCESSING), "skip_special_tokens")

@@ -1,5 +1,5 @@
 """OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE
-/v1/responses/{id}``.
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
 
 A response is one chat turn on the path every chat-shaped API shares
 (:func:`serve.api.openai.prepare.chat_turn`, :mod:`serve.api.openai.answer`): its input items become
@@ -18,9 +18,9 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, get_args
+from typing import Annotated, Literal, get_args
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import ValidationError
 
 from serve.api.common.auth import key_owner, require_api_key
@@ -36,6 +36,7 @@ from serve.api.openai.answer import (
     whole_answer,
 )
 from serve.api.openai.prepare import BackendDep, ChatTurn, chat_turn, guided
+from serve.api.openai.responses.input_items import input_items, page, with_ids
 from serve.api.openai.responses.schemas import (
     IncompleteDetails,
     Response,
@@ -96,7 +97,7 @@ async def create_response(
         error.param = _renamed(error.param)
         raise
     draft = _Draft(body, turn, stored=body.store and store is not None)
-    history = conversation + dump_items(body.items)
+    history = conversation + with_ids(dump_items(body.items))
     if not body.stream:
         response = draft.finished(started, _output_items(started))
         await _save(store, draft, response, history)
@@ -107,6 +108,19 @@ async def create_response(
 @responses_router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, store: StoreDep):
     return (await _stored(store, response_id, "response_id"))["response"]
+
+
+@responses_router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    store: StoreDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    include: Annotated[list[str] | None, Query()] = None,  # image URLs and such: none here
+):
+    record = await _stored(store, response_id, "response_id")
+    return page(input_items(record), after, limit, order)
 
 
 @responses_router.delete("/v1/responses/{response_id}")
@@ -178,7 +192,11 @@ async def _save(
 ) -> None:
     if draft.stored:
         stored = response.model_dump(exclude_unset=True)  # as it went on the wire
-        record = {"response": stored, "conversation": history + stored["output"]}
+        record = {
+            "response": stored,
+            "conversation": history + stored["output"],
+            "input_count": len(draft.items),
+        }
         try:
             await store.put(draft.id, record)
         except RecordTooLarge as error:
@@ -196,6 +214,7 @@ class _Draft:
         self.stored = stored
         self._created = int(time.time())
         self._body, self._turn = body, turn
+        self.items = body.items  # this turn's input
 
     def snapshot(self, status: str, output: list[ResponseOutputItem], **fields) -> Response:
         body, params = self._body, self._turn.params[0]
@@ -223,6 +242,7 @@ class _Draft:
             "tool_choice": _dumped(choice) or "auto",
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
             "top_p": params.top_p,
+            "top_logprobs": body.top_logprobs,
             "truncation": "disabled",
             "usage": None,
             "user": body.user,
@@ -267,17 +287,20 @@ def _usage(answer: Answer) -> ResponseUsage:
     )
 
 
-def _text_part(text: str = "") -> ResponseOutputText:
-    return ResponseOutputText(type="output_text", text=text, annotations=[], logprobs=[])
+def _text_part(text: str = "", log_probs: list | None = None) -> ResponseOutputText:
+    """Output text; ``logprobs`` lists its tokens' where the request included them."""
+    return ResponseOutputText(
+        type="output_text", text=text, annotations=[], logprobs=log_probs or []
+    )
 
 
-def _message_item(text: str = "") -> ResponseOutputMessage:
+def _message_item(text: str = "", log_probs: list | None = None) -> ResponseOutputMessage:
     return ResponseOutputMessage(
         id=f"msg_{uuid.uuid4().hex}",
         type="message",
         status="in_progress",
         role="assistant",
-        content=[_text_part(text)],
+        content=[_text_part(text, log_probs)],
     )
 
 
@@ -295,7 +318,8 @@ def _call_item(call_id: str, name: str, arguments: str = "") -> ResponseFunction
 def _output_items(answer: Answer) -> list[ResponseOutputItem]:
     """A whole answer's output: its text (where it wrote any, or called nothing), then
     its calls."""
-    text = [_message_item(answer.content)] if answer.content or not answer.calls else []
+    wrote = answer.content or not answer.calls
+    text = [_message_item(answer.content, answer.log_probs)] if wrote else []
     return text + [_call_item(call.id, call.name, call.arguments) for call in answer.calls]
 
 
@@ -332,14 +356,19 @@ class _OpenItems:
         self._emit = emit
         self._open: ResponseOutputItem | None = None
 
-    def text(self, piece: str) -> list[str]:
+    def text(self, piece: str, log_probs: list) -> list[str]:
         events = [] if self._is_open("message") else self.open_message()
-        self._open.content[0].text += piece
-        return events + [
-            self._emit(
-                ResponseTextDeltaEvent, **self._at(), content_index=0, delta=piece, logprobs=[]
-            )
-        ]
+        part = self._open.content[0]
+        part.text += piece
+        part.logprobs += log_probs
+        delta = {"content_index": 0, "delta": piece, "logprobs": log_probs}
+        return events + [self._emit(ResponseTextDeltaEvent, **self._at(), **delta)]
+
+    def last_log_probs(self, log_probs: list | None) -> None:
+        """The whole answer's, on its text (the deltas carried those that came with
+        text; the last tokens may have brought none, cut at a stop string)."""
+        if log_probs is not None and self._is_open("message"):
+            self._open.content[0].logprobs = log_probs
 
     def open_message(self) -> list[str]:
         events = self._add(_message_item())
@@ -363,10 +392,9 @@ class _OpenItems:
         item.status = status
         if item.type == "message":
             part = item.content[0]
+            done = {"content_index": 0, "text": part.text, "logprobs": part.logprobs}
             events = [
-                self._emit(
-                    ResponseTextDoneEvent, **at, content_index=0, text=part.text, logprobs=[]
-                ),
+                self._emit(ResponseTextDoneEvent, **at, **done),
                 self._emit(ResponseContentPartDoneEvent, **at, content_index=0, part=part),
             ]
         else:
@@ -407,7 +435,7 @@ async def _events(
     try:
         async for event in events:
             if isinstance(event, ContentDelta):
-                frames = output.text(event.text)
+                frames = output.text(event.text, event.log_probs)
             elif isinstance(event, CallStarted):
                 frames = output.call(event.call_id, event.name)
             elif isinstance(event, ArgumentsDelta):
@@ -434,6 +462,7 @@ async def _end(
     """The last events: the open item closed (an answer with no text and no call gets
     one empty message) and the whole response, once stored."""
     frames = [] if output.items else output.open_message()
+    output.last_log_probs(answer.log_probs)
     cut = answer.finish_reason == "length"
     frames += output.close("incomplete" if cut else "completed")
     response = draft.finished(answer, output.items)

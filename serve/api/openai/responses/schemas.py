@@ -30,7 +30,7 @@ from serve.api.common.structured import (
     JSONObjectFormat,
     TextFormat,
 )
-from serve.api.openai.schemas import Text
+from serve.api.openai.schemas import MAX_TOP_LOG_PROBS, Text
 
 
 class _Strict(BaseModel):
@@ -179,7 +179,10 @@ class Reasoning(_Strict):
 
 
 # Output kinds a client may ask to include: this server never makes any of them.
+# What output text's ``logprobs`` holds only where the request includes it.
+LOG_PROBS = "message.output_text.logprobs"
 _INCLUDABLE = {
+    LOG_PROBS,
     "reasoning.encrypted_content",
     "web_search_call.action.sources",
     "code_interpreter_call.outputs",
@@ -206,6 +209,8 @@ class ResponsesRequest(_Strict):
     previous_response_id: Text | None = None
     metadata: dict[Text, Text] | None = Field(None, max_length=16)  # OpenAI's 16 pairs
     include: list[str] | None = None
+    # Alternatives per token, with include: ["message.output_text.logprobs"].
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOG_PROBS)
     user: Text | None = None
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None  # the prefix cache needs no key
@@ -232,11 +237,6 @@ class ResponsesRequest(_Strict):
     @classmethod
     def _includable(cls, include):
         for name in include or []:
-            if name == "message.output_text.logprobs":
-                raise ValueError(
-                    "log probabilities are not served on /v1/responses: ask "
-                    "/v1/chat/completions with logprobs"
-                )
             if name not in _INCLUDABLE:
                 raise ValueError(f"{name!r} is not an output kind that can be included")
         return include
@@ -251,6 +251,10 @@ class ResponsesRequest(_Strict):
                 f"tool_choice names {self.tool_choice.name!r}, which is not one of the tools"
             )
         return self
+
+    @property
+    def wants_log_probs(self) -> bool:
+        return LOG_PROBS in (self.include or ())
 
     @property
     def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
@@ -272,6 +276,9 @@ class ResponsesRequest(_Strict):
             "top_p": self.top_p,
             "parallel_tool_calls": self.parallel_tool_calls,
         }
+        if self.wants_log_probs:
+            body["logprobs"] = True
+            body["top_logprobs"] = self.top_logprobs
         if self.tools:
             body["tools"] = [_chat_tool(tool) for tool in self.tools]
         if self.tool_choice is not None:
@@ -418,6 +425,7 @@ class Response(BaseModel):
     tool_choice: str | dict[str, Any]
     tools: list[dict[str, Any]]
     top_p: float | None
+    top_logprobs: int | None
     truncation: Literal["disabled"]
     usage: ResponseUsage | None
     user: str | None
