@@ -247,18 +247,15 @@ def test_a_corrupt_file_is_an_adapter_error(tmp_path, file, content, message):
 
 
 def test_the_ingress_answers_404_naming_an_adapter_not_in_the_directory(tmp_path):
-    from serve.deployments.ingress import OpenAIIngress
+    from serve.deployments.api_backend import ApiBackend, ServedModel
 
     write_adapter(tmp_path / "a")
-    config = AppConfig.model_validate({"models": [lora_model(tmp_path)]})
-
-    class Ingress:  # the ingress's methods, without Serve
-        adapters = OpenAIIngress.adapters
-        _adapter_names = OpenAIIngress._adapter_names
-        _require_adapter = OpenAIIngress._require_adapter
-        _adapters = {"base": AdapterCatalog(str(tmp_path))}
-
-    ingress = Ingress()
+    config = AppConfig.model_validate(
+        {"models": [lora_model(tmp_path)], "responses": {"store": "none"}}
+    )
+    catalog = AdapterCatalog(str(tmp_path))
+    served = ServedModel(engine=None, token_texts=None, sampling=None, adapters=catalog)
+    ingress = ApiBackend(config, channel=None, served={"base": served})
     model = config.models[0]
     assert asyncio.run(ingress.adapters(model)) == ["a"]
     asyncio.run(ingress._require_adapter(model, "a"))

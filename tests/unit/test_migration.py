@@ -1,24 +1,28 @@
 """A generation whose replica is lost resumes on another where it was cut.
 
-The ingress's own stream (``OpenAIIngress._stream``) over stand-in replicas that decode
-greedily from a fixed answer, as an engine would: the resumed request's prompt is the
-prompt's ids and the delivered ones, and the text the client gets equals an undisturbed
-run's, also where the cut splits a character.
+The ingress's own stream (``ApiBackend._stream`` over Serve's handles) over stand-in
+replicas that decode greedily from a fixed answer, as an engine would: the resumed
+request's prompt is the prompt's ids and the delivered ones, and the text the client
+gets equals an undisturbed run's, also where the cut splits a character.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 
 import pytest
 from ray.exceptions import ActorDiedError
 
 from serve.api.common.errors import Overloaded
-from serve.config import ModelConfig
-from serve.deployments.ingress import OpenAIIngress
+from serve.api.common.sampling import SamplingDefaults
+from serve.api.common.token_texts import TokenTexts
+from serve.config import AppConfig, ModelConfig
+from serve.deployments.api_backend import ApiBackend, ServedModel
+from serve.deployments.ingress import HandleChannel
+from serve.engines.facts import EngineFacts
 from serve.generation import GenerateParams, GenerationChunk, GenerationError
-from serve.metrics import RequestMetrics
 from serve.migration import CannotResume, Resumable, resume_refusal
 from tritonllm.detokenize import IncrementalDetokenizer
 from tritonllm.tokenization import encode_prompt
@@ -89,14 +93,21 @@ class Responses:
 
 def ingress_over(
     engine: Engine, max_migrations: int = 2, engine_resumes: bool = False
-) -> tuple[OpenAIIngress, ModelConfig]:
+) -> tuple[ApiBackend, ModelConfig]:
+    """The ingress's backend over a handle to ``engine``."""
     model = ModelConfig(id="m", max_migrations=max_migrations)
-    ingress = object.__new__(OpenAIIngress)
-    ingress.replicas = {"m": Handle(engine)}
-    ingress.metrics = RequestMetrics()
-    ingress.tokenizers = {"m": engine.tokenizer}
-    ingress._extensions = {"m": engine_resumes}
-    return ingress, model
+    config = AppConfig(models=[model], responses={"store": "none"})
+    facts = EngineFacts(
+        engine.tokenizer,
+        checkpoint=Path("."),
+        skips_special_tokens=True,
+        adds_special_tokens=True,
+        extensions=engine_resumes,
+        takes_priority=False,
+    )
+    served = ServedModel(facts, TokenTexts(engine.tokenizer), SamplingDefaults(), None)
+    channel = HandleChannel({"m": Handle(engine)}, config)
+    return ApiBackend(config, channel, {"m": served}), model
 
 
 async def answer(ingress, model, params) -> list[GenerationChunk]:

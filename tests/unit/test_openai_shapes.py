@@ -12,7 +12,7 @@ from ray.exceptions import RayTaskError
 from serve.api.common.errors import Overloaded
 from serve.api.common.sampling import GREEDY, SamplingDefaults, resolve
 from serve.api.common.stops import StopStringCutter, cut_text
-from serve.deployments.ingress import as_api_error
+from serve.deployments.api_backend import as_api_error
 from serve.generation import GenerationError
 from tests.unit.test_http_api import FakeBackend, client, error_of
 

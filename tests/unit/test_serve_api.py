@@ -269,6 +269,35 @@ def test_the_direct_layout_is_one_deployment_whose_replicas_serve_the_api(built_
     assert routed.name == "OpenAIIngress"
 
 
+def test_a_deployment_that_serves_the_api_closes_its_backend_then_its_triton():
+    """Serve deletes a replica after draining it: the API's metrics publisher stops,
+    and a direct replica's Triton stops with it (the Triton replica's own __del__)."""
+    from serve.deployments.api_backend import ServesTheApi
+
+    closed = []
+
+    class Backend:
+        def close(self):
+            closed.append("backend")
+
+    class Triton:
+        def __del__(self):
+            closed.append("triton")
+
+    class Direct(ServesTheApi, Triton):
+        pass
+
+    class Ingress(ServesTheApi):
+        pass
+
+    deployments = [Direct(), Ingress(), Direct()]
+    for deployment in deployments[:2]:
+        deployment.backend = Backend()
+        deployment.__del__()
+    deployments[2].__del__()  # one whose __init__ failed before it had a backend
+    assert closed == ["backend", "triton", "backend", "triton"]
+
+
 def test_an_unbuilt_optional_model_is_left_out_and_a_built_one_kept(tmp_path, caplog):
     from serve.app import servable
 
@@ -340,7 +369,7 @@ def test_engines_sharing_a_gpu_must_fit_their_kv_cache_fractions(
 
 def test_the_engines_refusal_of_a_guide_names_the_field_it_came_from():
     from serve.api.common.errors import APIError
-    from serve.deployments.ingress import _name_the_guide
+    from serve.deployments.api_backend import _name_the_guide
 
     guided = GenerateParams("p", 4, guide_type="regex", guide="a+", guide_field="guided_regex")
     refusal = APIError("compiling this regex guide exceeds the limit of 5 s")
