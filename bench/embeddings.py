@@ -148,7 +148,7 @@ async def embed(client, sentence: str) -> None:
 
     text = np.array([[sentence.encode()]], dtype=object)
     result = await client.infer(contract.EMBEDDINGS, infer_inputs({"text": text}))
-    if result.as_numpy("embedding").shape[0] != 1:
+    if result.as_numpy(contract.EMBEDDINGS_VECTOR.name).shape[0] != 1:
         raise RuntimeError("one embedding per sentence expected")
 
 

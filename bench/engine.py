@@ -65,6 +65,7 @@ def one_request(url: str, prompt: str, output_len: int) -> tuple[float, float, l
     """Send one streamed request; return its send time, first-token time, inter-token
     gaps and the tokens received."""
     from serve.engines.triton.client import Stream, ensemble_values
+    from tritonllm import contract
 
     values = ensemble_values(
         prompt,
@@ -76,12 +77,12 @@ def one_request(url: str, prompt: str, output_len: int) -> tuple[float, float, l
     )
     with Stream(url) as stream:
         start = time.perf_counter()
-        stream.send("ensemble", values, uuid.uuid4().hex)
+        stream.send(contract.ENSEMBLE, values, uuid.uuid4().hex)
         arrivals, tokens = [], 0
         for arrived, result in stream.timed_responses(timeout_s=300):
             if result.get_response().outputs:
                 arrivals.append(arrived)
-                tokens = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
+                tokens = int(result.as_numpy(contract.NUM_OUTPUT_TOKENS.name).reshape(-1)[0])
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     return start, arrivals[0], gaps, tokens
 

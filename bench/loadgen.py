@@ -208,12 +208,14 @@ class TritonTarget:
         from serve.engines.triton.client import infer_inputs
         from serve.engines.triton.requests import ensemble_inputs
         from serve.generation import GenerateParams
+        from tritonllm import contract
 
         params = GenerateParams(prompt, max_tokens=output_len, min_tokens=output_len)
 
         async def requests():
             inputs = infer_inputs(ensemble_inputs(params))
-            yield {"model_name": "ensemble", "inputs": inputs, "request_id": uuid.uuid4().hex}
+            request_id = uuid.uuid4().hex
+            yield {"model_name": contract.ENSEMBLE, "inputs": inputs, "request_id": request_id}
 
         record = RequestRecord(sent=time.perf_counter())
         try:
@@ -223,9 +225,9 @@ class TritonTarget:
                     break
                 if not result.get_response().outputs:
                     continue
-                if result.as_numpy("text_output").reshape(-1)[0]:
+                if result.as_numpy(contract.TEXT_OUTPUT.name).reshape(-1)[0]:
                     record.arrivals.append(time.perf_counter())
-                record.tokens = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
+                record.tokens = int(result.as_numpy(contract.NUM_OUTPUT_TOKENS.name).reshape(-1)[0])
         except Exception as error:
             record.error = f"{type(error).__name__}: {error}"
         record.end = time.perf_counter()

@@ -13,10 +13,6 @@ import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tritonllm.lora import LoraTensors
 
 
 class GenerationError(RuntimeError):
@@ -75,10 +71,6 @@ class GenerateParams:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     variant: str | None = None  # a multiplexed pool's variant (its own Triton ensemble)
     adapter: str | None = None  # a LoRA adapter of the model (docs/lora.md)
-    # Set by the replica for its host: the adapter's engine task id and, when the
-    # engine may not hold it yet, its weights (TensorRT-LLM sends them once).
-    lora_task_id: int | None = None
-    lora_tensors: LoraTensors | None = field(default=None, compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:

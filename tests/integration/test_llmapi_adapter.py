@@ -19,6 +19,7 @@ import textwrap
 
 import pytest
 
+from serve.engines.triton.requests import AdapterInputs
 from serve.generation import GenerateParams
 from tests.integration.repositories import repository_with_limits
 from tests.integration.test_serve_app import LONG_ANSWER_PROMPT
@@ -195,15 +196,15 @@ def test_an_adapter_sent_once_answers_as_peft_and_then_by_its_id_alone(
     expected = hf_greedy(adapter.model, tokenizer, prompt, max_tokens)
     assert expected != hf_greedy(hf_model, tokenizer, prompt, max_tokens)
 
-    def answer(**lora) -> str:
-        chunks = collect(llmapi_host, GenerateParams(prompt, max_tokens, **lora))
+    def answer(adapter: AdapterInputs | None = None) -> str:
+        chunks = collect(llmapi_host, GenerateParams(prompt, max_tokens), adapter=adapter)
         return "".join(c.text for c in chunks)
 
     with pytest.raises(Exception, match=lora_cache_miss(11)):
-        answer(lora_task_id=11)  # not sent yet: the caller is told to send the weights
+        answer(AdapterInputs(11))  # not sent yet: the caller is told to send the weights
     want = tokenizer.decode(expected, skip_special_tokens=True)
-    assert answer(lora_task_id=11, lora_tensors=adapter.tensors) == want
-    assert answer(lora_task_id=11) == want  # held now: the id alone
+    assert answer(AdapterInputs(11, adapter.tensors)) == want
+    assert answer(AdapterInputs(11)) == want  # held now: the id alone
     assert answer() == tokenizer.decode(
         hf_greedy(hf_model, tokenizer, prompt, max_tokens), skip_special_tokens=True
     )

@@ -53,8 +53,8 @@ class RoutedHost:
     def __getattr__(self, name):
         return getattr(self._host, name)
 
-    def generate(self, params):
-        return self._host.generate(params, self.route)
+    def generate(self, params, adapter=None):
+        return self._host.generate(params, self.route, adapter)
 
 
 # Each host, with its generations through the ensemble and through the replica's own
@@ -89,14 +89,14 @@ def run(host, coroutine_fn):
     return asyncio.run(scenario())
 
 
-def collect(host, params, limit=None):
+def collect(host, params, limit=None, adapter=None):
     """``generate``'s chunks; stop reading after ``limit`` of them."""
 
     async def chunks():
         got = []
         # Closed where it is abandoned, as Serve does when a client goes away (a
         # generator left to the garbage collector would be closed after the channel).
-        async with aclosing(host.generate(params)) as stream:
+        async with aclosing(host.generate(params, adapter=adapter)) as stream:
             async for chunk in stream:
                 got.append(chunk)
                 if limit is not None and len(got) >= limit:

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from serve.adapters import AdapterCatalog, list_adapters, read_adapter
 from serve.api.common.errors import NotFound
 from serve.config import AppConfig, ModelConfig
-from serve.engines.triton.requests import ensemble_inputs
+from serve.engines.triton.requests import AdapterInputs, ensemble_inputs
 from serve.generation import GenerateParams, GenerationChunk, GenerationError, StreamPacing
 from tests.unit.test_http_api import FakeBackend, client, error_of
 from tritonllm import contract, lora
@@ -148,14 +148,13 @@ def test_codec_sends_the_task_id_and_the_weights_only_when_given():
     tensors = lora.LoraTensors(
         np.arange(12, dtype=np.float16).reshape(2, 6), np.array([[0, 0, 2], [1, 0, 2]], np.int32)
     )
-    plain = ensemble_inputs(GenerateParams(prompt="p", max_tokens=1))
+    params = GenerateParams(prompt="p", max_tokens=1)
+    plain = ensemble_inputs(params)
     assert not {"lora_task_id", "lora_weights", "lora_config"} & set(plain)
-    by_id = ensemble_inputs(GenerateParams(prompt="p", max_tokens=1, lora_task_id=2**63 - 1))
+    by_id = ensemble_inputs(params, AdapterInputs(2**63 - 1))
     assert by_id["lora_task_id"].dtype == np.uint64 and by_id["lora_task_id"].shape == (1, 1)
     assert by_id["lora_task_id"][0, 0] == 2**63 - 1 and "lora_weights" not in by_id
-    both = ensemble_inputs(
-        GenerateParams(prompt="p", max_tokens=1, lora_task_id=7, lora_tensors=tensors)
-    )
+    both = ensemble_inputs(params, AdapterInputs(7, tensors))
     assert both["lora_weights"].shape == (1, 2, 6) and both["lora_weights"].dtype == np.float16
     assert both["lora_config"].shape == (1, 2, 3) and both["lora_config"].dtype == np.int32
     assert (both["lora_weights"][0] == tensors.weights).all()
@@ -273,12 +272,12 @@ class EngineHost:
         self.held: set[int] = set()
         self.sent: list[GenerateParams] = []
 
-    async def generate(self, params, route):
-        self.sent.append(params)
-        if params.lora_tensors is not None:
-            self.held.add(params.lora_task_id)
-        elif params.lora_task_id not in self.held:
-            raise GenerationError(contract.lora_cache_miss(params.lora_task_id), "invalid")
+    async def generate(self, params, route, adapter=None):
+        self.sent.append((params, adapter))
+        if adapter.tensors is not None:
+            self.held.add(adapter.task_id)
+        elif adapter.task_id not in self.held:
+            raise GenerationError(contract.lora_cache_miss(adapter.task_id), "invalid")
         yield GenerationChunk("x", 1, 1)
 
     def stop(self):
@@ -311,10 +310,10 @@ def test_the_replica_sends_the_weights_once_and_again_when_the_engine_lost_them(
     assert asyncio.run(ask()) == ["x"]  # the id alone
     host.held.clear()  # the engine's cache evicted it
     assert asyncio.run(ask()) == ["x"]  # a miss, then the weights again
-    weights = [p.lora_tensors is not None for p in host.sent]
+    weights = [adapter.tensors is not None for _, adapter in host.sent]
     assert weights == [True, False, False, True]
-    assert {p.lora_task_id for p in host.sent} == {loaded.adapter.task_id}
-    assert host.sent[-1].request_id == "r.w"  # a new Triton request id for the resend
+    assert {adapter.task_id for _, adapter in host.sent} == {loaded.adapter.task_id}
+    assert host.sent[-1][0].request_id == "r.w"  # a new Triton request id for the resend
 
 
 def test_a_directory_url_fsspec_cannot_open_fails_at_start():

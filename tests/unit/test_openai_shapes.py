@@ -406,3 +406,11 @@ def test_an_unknown_field_is_a_400_naming_it():
     body = {"model": "llm", "prompt": "a", "nonsense": 1}
     error = error_of(client().post("/v1/completions", json=body), 400)
     assert error["param"] == "nonsense" and "not permitted" in error["message"]
+
+
+def test_the_apis_bound_on_alternatives_is_within_the_engines():
+    """OpenAI's bound is the API's own; the engines' contract must take as many."""
+    from serve.api.openai.schemas import MAX_TOP_LOG_PROBS
+    from tritonllm import contract
+
+    assert MAX_TOP_LOG_PROBS <= contract.MAX_TOP_LOG_PROBS

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from serve.engines.triton.requests import ENSEMBLE_ROUTE, Route
+from serve.engines.triton.requests import ENSEMBLE_ROUTE, AdapterInputs, Route
 from serve.generation import GenerateParams, GenerationChunk
 from tritonllm import contract
 
@@ -41,10 +41,14 @@ class TritonHost(Protocol):
         Triton in the replica's own process, which dies with it)."""
 
     def generate(
-        self, params: GenerateParams, route: Route = ENSEMBLE_ROUTE
+        self,
+        params: GenerateParams,
+        route: Route = ENSEMBLE_ROUTE,
+        adapter: AdapterInputs | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the answer along ``route`` (the ensemble, or the engine step with the
-        replica's own tokenizing, :mod:`serve.engines.triton.steps`): the text chunks, the last
+        replica's own tokenizing, :mod:`serve.engines.triton.steps`), with ``adapter``'s
+        tensors where it is for a LoRA adapter: the text chunks, the last
         of them with the finish reason (the sidecar: with the tokens of Triton's final
         response where it holds any; the in-process host: an empty one). Closing the
         iterator early stops the generation in the engine."""

@@ -31,7 +31,7 @@ import numpy as np
 import tritonserver
 
 from serve.engines.triton.launcher import PYTHON_BACKEND_CONFIG
-from serve.engines.triton.requests import ENSEMBLE_ROUTE, Route, stop_inputs
+from serve.engines.triton.requests import ENSEMBLE_ROUTE, AdapterInputs, Route, stop_inputs
 from serve.engines.triton.sidecar import classify
 from serve.generation import GenerateParams, GenerationChunk, GenerationError
 from tritonllm import contract
@@ -152,10 +152,14 @@ class InProcessHost:
             return False
 
     async def generate(
-        self, params: GenerateParams, route: Route = ENSEMBLE_ROUTE
+        self,
+        params: GenerateParams,
+        route: Route = ENSEMBLE_ROUTE,
+        adapter: AdapterInputs | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the answer's chunks, then one empty chunk with the finish reason."""
-        model, inputs, reader = route.model, route.inputs(params), route.reader(params)
+        model, reader = route.model, route.reader(params)
+        inputs = route.inputs(params, adapter)
         responses = None
         done = False
         try:

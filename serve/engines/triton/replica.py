@@ -17,7 +17,7 @@ from serve.adapters import Adapter, read_adapter
 from serve.config import ModelConfig
 from serve.engines.triton import repository
 from serve.engines.triton.host import TritonHost
-from serve.engines.triton.requests import EnsembleRoute, Route
+from serve.engines.triton.requests import AdapterInputs, EnsembleRoute, Route
 from serve.engines.triton.select import choose_host
 from serve.engines.triton.steps import ReplicaSteps, StepsUnsupported, read_steps
 from serve.generation import (
@@ -230,7 +230,7 @@ class TritonReplica:
     ) -> AsyncIterator[GenerationChunk]:
         # aclosing: a caller that goes away stops the engine's sequence at once.
         async with aclosing(
-            self.host.generate(loaded.request(params, with_weights), route)
+            self.host.generate(params, route, loaded.inputs(with_weights))
         ) as chunks:
             async for chunk in chunks:
                 loaded.in_engine = True  # the engine took the request: it holds the adapter
@@ -274,8 +274,10 @@ class TritonReplica:
         outputs = await asyncio.gather(
             *(self.host.infer(self.model.entry_model(), _texts(batch)) for batch in batches)
         )
-        vectors = np.concatenate([o["embedding"] for o in outputs]).astype(np.float32)
-        return vectors, int(sum(o["num_tokens"].sum() for o in outputs))
+        vectors = np.concatenate([o[contract.EMBEDDINGS_VECTOR.name] for o in outputs]).astype(
+            np.float32
+        )
+        return vectors, int(sum(o[contract.EMBEDDINGS_NUM_TOKENS.name].sum() for o in outputs))
 
     async def _load_variant(self, variant: str) -> LoadedVariant:
         if variant not in self.model.variants:
@@ -317,9 +319,9 @@ class LoadedAdapter:
         self.adapter = adapter
         self.in_engine = False
 
-    def request(self, params: GenerateParams, with_weights: bool) -> GenerateParams:
+    def inputs(self, with_weights: bool) -> AdapterInputs:
         tensors = self.adapter.tensors if with_weights else None
-        return dataclasses.replace(params, lora_task_id=self.adapter.task_id, lora_tensors=tensors)
+        return AdapterInputs(self.adapter.task_id, tensors)
 
 
 class LoadedVariant:

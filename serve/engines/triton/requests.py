@@ -15,6 +15,7 @@ import numpy as np
 from serve.generation import GenerateParams, GenerationChunk, PromptLogProbs, TopLogProbs
 from tritonllm import contract
 from tritonllm.detokenize import IncrementalDetokenizer
+from tritonllm.lora import LoraTensors
 
 _NO_IDS = np.empty(0, dtype=np.int32)
 
@@ -39,8 +40,20 @@ def _put(values: dict[str, np.ndarray], spec: contract.Tensor, *items) -> None:
         values[spec.name] = np.array([items], dtype=spec.numpy_dtype)
 
 
-def ensemble_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
-    """The ensemble's input tensors (batch 1, streamed, prompt excluded from the output)."""
+@dataclasses.dataclass(frozen=True)
+class AdapterInputs:
+    """A LoRA adapter as the engine takes it: its task id, and its weights where the
+    engine may not hold them yet (TensorRT-LLM takes them once; docs/lora.md)."""
+
+    task_id: int
+    tensors: LoraTensors | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+def ensemble_inputs(
+    params: GenerateParams, adapter: AdapterInputs | None = None
+) -> dict[str, np.ndarray]:
+    """The ensemble's input tensors (batch 1, streamed, prompt excluded from the output),
+    with ``adapter``'s where the request is for one."""
     values: dict[str, np.ndarray] = {}
     _put(values, contract.TEXT_INPUT, params.prompt)
     _put(values, contract.MAX_TOKENS, params.max_tokens)
@@ -74,18 +87,16 @@ def ensemble_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
         ids, weights = zip(*params.logit_bias, strict=True)
         _put(values, contract.EMBEDDING_BIAS_TOKEN_IDS, *ids)
         _put(values, contract.EMBEDDING_BIAS_WEIGHTS, *weights)
-    return values | _lora_inputs(params)
+    return values if adapter is None else values | _lora_inputs(adapter)
 
 
-def _lora_inputs(params: GenerateParams) -> dict[str, np.ndarray]:
+def _lora_inputs(adapter: AdapterInputs) -> dict[str, np.ndarray]:
     """TensorRT-LLM's LoRA inputs: the task id, and the weights when the replica sends
-    them (the engine's first use of the adapter; docs/lora.md)."""
-    if params.lora_task_id is None:
-        return {}
+    them (the engine's first use of the adapter)."""
     values: dict[str, np.ndarray] = {}
-    _put(values, contract.LORA_TASK_ID, params.lora_task_id)
-    if params.lora_tensors is not None:
-        weights, config = params.lora_tensors.weights, params.lora_tensors.config
+    _put(values, contract.LORA_TASK_ID, adapter.task_id)
+    if adapter.tensors is not None:
+        weights, config = adapter.tensors.weights, adapter.tensors.config
         values[contract.LORA_WEIGHTS.name] = weights.astype(contract.LORA_WEIGHTS.numpy_dtype)[None]
         values[contract.LORA_CONFIG.name] = config.astype(contract.LORA_CONFIG.numpy_dtype)[None]
     return values
@@ -258,8 +269,11 @@ class Route(Protocol):
 
     model: str
 
-    def inputs(self, params: GenerateParams) -> dict[str, np.ndarray]:
-        """The request's input tensors, named as ``model`` takes them."""
+    def inputs(
+        self, params: GenerateParams, adapter: AdapterInputs | None = None
+    ) -> dict[str, np.ndarray]:
+        """The request's input tensors (``adapter``'s with them), named as ``model``
+        takes them."""
 
     def outputs(self, params: GenerateParams) -> tuple[str, ...]:
         """The outputs of ``model`` a chunk is made of."""
@@ -275,8 +289,10 @@ class EnsembleRoute:
 
     model: str = contract.ENSEMBLE
 
-    def inputs(self, params: GenerateParams) -> dict[str, np.ndarray]:
-        return ensemble_inputs(params)
+    def inputs(
+        self, params: GenerateParams, adapter: AdapterInputs | None = None
+    ) -> dict[str, np.ndarray]:
+        return ensemble_inputs(params, adapter)
 
     def outputs(self, params: GenerateParams) -> tuple[str, ...]:
         return ensemble_outputs(params)

@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 from serve.engines.triton.client import infer_inputs
 from serve.engines.triton.launcher import TritonProcess
-from serve.engines.triton.requests import ENSEMBLE_ROUTE, Route, stop_inputs
+from serve.engines.triton.requests import ENSEMBLE_ROUTE, AdapterInputs, Route, stop_inputs
 from serve.engines.triton.shared_stream import (
     FINAL,
     SharedStream,
@@ -143,7 +143,10 @@ class SidecarHost:
         return bool(dead)
 
     async def generate(
-        self, params: GenerateParams, route: Route = ENSEMBLE_ROUTE
+        self,
+        params: GenerateParams,
+        route: Route = ENSEMBLE_ROUTE,
+        adapter: AdapterInputs | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the answer's chunks; the last one carries the finish reason (Triton's
         final response and the end of the answer in one chunk: one event less per
@@ -151,7 +154,7 @@ class SidecarHost:
         model = route.model
         declared = await self._declared_outputs(model)
         names = [name for name in route.outputs(params) if name in declared]
-        request = infer_request(model, route.inputs(params), params.request_id, names)
+        request = infer_request(model, route.inputs(params, adapter), params.request_id, names)
         stream = self._stream()
         responses = stream.submit(request)
         reader = route.reader(params)

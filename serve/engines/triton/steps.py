@@ -21,7 +21,12 @@ from pathlib import Path
 import numpy as np
 
 from serve.engines.triton import repository
-from serve.engines.triton.requests import ResponseReader, ensemble_inputs, ensemble_outputs
+from serve.engines.triton.requests import (
+    AdapterInputs,
+    ResponseReader,
+    ensemble_inputs,
+    ensemble_outputs,
+)
 from serve.generation import GenerateParams, GenerationError
 from tritonllm import contract
 from tritonllm.detokenize import IncrementalDetokenizer
@@ -107,9 +112,11 @@ class ReplicaSteps:
             skip_special=repository.flag(post, _SKIP_SPECIAL),
         )
 
-    def inputs(self, params: GenerateParams) -> dict[str, np.ndarray]:
+    def inputs(
+        self, params: GenerateParams, adapter: AdapterInputs | None = None
+    ) -> dict[str, np.ndarray]:
         """The preprocessing's work, then the engine step's inputs as the ensemble feeds them."""
-        given = ensemble_inputs(params)
+        given = ensemble_inputs(params, adapter)
         arguments = {
             ARGUMENTS[name]: given[source]
             for name, source in self.steps.preprocessing_inputs.items()
