@@ -142,6 +142,21 @@ async def triton_statistics(client) -> dict:
     return stats["model_stats"][0]
 
 
+async def settled_statistics(client, tries: int = 50, pause_s: float = 0.02) -> dict:
+    """The statistics once the last execute is counted: Triton counts a request's
+    inference when its response is sent, inside the Python model's ``execute``, and the
+    execute itself only when it returns, so a snapshot taken as the last response
+    arrives can hold one inference more than its executes account for."""
+    stats = await triton_statistics(client)
+    for _ in range(tries):
+        await asyncio.sleep(pause_s)
+        again = await triton_statistics(client)
+        if again == stats:
+            return stats
+        stats = again
+    return stats
+
+
 async def embed(client, sentence: str) -> None:
     from serve.engines.triton.client import infer_inputs
     from tritonllm import contract
@@ -179,7 +194,7 @@ async def drive(url: str, name: str, sentences: list[str], concurrency: int) -> 
         start = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         seconds = time.perf_counter() - start
-        inferences, executions = counts(before, await triton_statistics(client))
+        inferences, executions = counts(before, await settled_statistics(client))
     finally:
         await client.close()
     return Level(

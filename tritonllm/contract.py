@@ -401,7 +401,8 @@ EMBEDDING_MODELS = {EMBEDDINGS: (EMBEDDINGS_INPUTS, EMBEDDINGS_OUTPUTS)}
 ALL_MODELS = {**MODELS, **EMBEDDING_MODELS}
 
 
-# The most alternatives per token a request may ask for (OpenAI's top_logprobs bound).
+# The most alternatives per token an engine request may ask for (as many as OpenAI's
+# top_logprobs bound, which the API holds: serve/api/openai/schemas.py).
 MAX_TOP_LOG_PROBS = 20
 
 

@@ -2,10 +2,10 @@
 
 In Triton's Python backend every ``response_sender.send`` and every
 ``request.is_cancelled()`` is a synchronous round trip from the model's stub
-process to the server: about 0.5 ms and 0.15 ms on these machines. Done on the
-engine thread, they stalled each decode step by ~0.65 ms per running sequence
-(~10 ms a step at 16 sequences, a third of the step). One thread here does both
-while the engine computes; the engine only reads a flag.
+process to the server. Done on the engine thread, they stalled each decode step by
+both round trips per running sequence, a large share of a CPU engine's step at 16
+sequences. One thread here does both while the engine computes; the engine only
+reads a flag.
 
 Each round trip costs the same whatever a response carries, so the thread sends
 what is ready: it takes everything queued at once and, given a ``merge``, joins a

@@ -324,7 +324,7 @@ class ApiBackend:
                     async with aclosing(self.channel.stream(model, attempt)) as chunks:
                         async for chunk in chunks:
                             chunk = answer.deliver(chunk)
-                            clock.saw(chunk)
+                            clock.record(chunk)
                             yield chunk
                     return
                 except ReplicaLost as error:
@@ -418,7 +418,7 @@ class TextClock:
         self._last = time.monotonic()
         self.had_text = False
 
-    def saw(self, chunk: GenerationChunk) -> None:
+    def record(self, chunk: GenerationChunk) -> None:
         if not chunk.text:
             return
         now = time.monotonic()

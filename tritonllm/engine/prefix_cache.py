@@ -10,8 +10,8 @@ engine's slot-contiguous cache.
 Why copies instead of a paged cache: the running batch keeps each sequence's keys and
 values contiguous in its own row (``kv_cache.SlotKVCache``), which is what lets decode
 read one strided view per layer with no gather. Copying a cached prefix into the row
-costs one memory copy of the prefix (about 1% of prefilling it on the bench model),
-and it means no running sequence ever reads a block of this pool: the pool can evict
+costs one memory copy of the prefix, far less than prefilling it again, and it
+means no running sequence ever reads a block of this pool: the pool can evict
 any block, at any time, without a reference count.
 
 A block's key is ``(parent id, its tokens)``: the parent's id stands for the whole

@@ -13,11 +13,10 @@ it gets its first token after one chunk, not after the whole prompt, and the
 running sequences keep decoding meanwhile.
 
 Why not transformers' own continuous batching (``generate_batch`` /
-``init_continuous_batching``): on the 30M bench model with 16 prompts on 2 CPU
-cores it reached 1.5x the tokens/s of one-at-a-time ``generate()``, this engine
-5.4x through Triton (``make bench-engine BENCH_ARGS=--with-hf-cb``), and its
-sampling settings belong to the manager, not to each request with its own
-seeded generator.
+``init_continuous_batching``): on the bench model it made a fraction of this
+engine's tokens/s through Triton (``make bench-engine BENCH_ARGS=--with-hf-cb``
+runs both), and its sampling settings belong to the manager, not to each request
+with its own seeded generator.
 """
 
 from __future__ import annotations
@@ -216,9 +215,8 @@ class Engine:
         # Triton's Python stub gets 1), so the loop sets its own. Decode is bound by
         # memory bandwidth and does better leaving a core to Triton's own threads,
         # the pre/postprocessing models and gRPC; prefill is compute-bound and short
-        # and gets every core. On 2 cores that split gave ~6x one-at-a-time
-        # generate() at 16 streams, against ~4x with 2 threads for both and ~5x
-        # with 1 for both (make bench-engine BENCH_ARGS='--num-threads 2').
+        # and gets every core. On a small machine that split beats one thread count
+        # for both (make bench-engine BENCH_ARGS='--num-threads N' runs the others).
         cores = len(os.sched_getaffinity(0))
         self.decode_threads = num_threads or max(1, cores - 1)
         self.prefill_threads = num_threads or cores

@@ -40,9 +40,9 @@ class EventStream(StreamingResponse):
     in the same ASGI message as the end of the body, one write to the socket where
     Starlette's ``StreamingResponse`` makes two. Each ``send`` of a streamed response is
     a socket write that, on loopback to the HTTP front, runs the receiver's TCP work in
-    the sender's time: at 256 streams uvicorn's ``send`` was the largest single entry of
-    the replica's event loop (about 11% of its samples, py-spy). Starlette has no such
-    option, hence this override of its ``stream_response``."""
+    the sender's time: under many streams uvicorn's ``send`` is the largest single entry
+    of the replica's event loop. Starlette has no such option, hence this override of
+    its ``stream_response``."""
 
     media_type = "text/event-stream"
 
@@ -50,9 +50,8 @@ class EventStream(StreamingResponse):
         """Stream in the request's own task while one task beside it waits for the
         client's disconnect, which cancels the stream (its generators' ``finally`` stop
         the engine). Starlette does the same under an anyio task group, whose cancel
-        scope formats the task's repr on every cancel (anyio 4.16): the group was about
-        5% of the replica's event loop at 256 streams (py-spy), for one task and one
-        cancel per request."""
+        scope formats the task's repr on every cancel: a cost per request on the event
+        loop that relays every stream, for one task and one cancel."""
         stream = asyncio.current_task()
         state = {"streaming": True, "client_left": False}
 

@@ -56,7 +56,7 @@ from serve.api.openai.shapes import (
     merge,
 )
 from serve.config import ModelConfig
-from serve.generation import GenerateParams
+from serve.generation import GenerateParams, GenerationChunk
 
 log = logging.getLogger("ray.serve")
 
@@ -243,7 +243,7 @@ async def _respond(
         return await _whole(backend, model, body, params, endpoint, echoes, head, log_probs, syntax)
     starts = await _start_all(backend, model, params)
     starts = [
-        await _shaped(first, rest, p, echo, body.include_stop_str_in_output)
+        await _cut_and_echoed(first, rest, p, echo, body.include_stop_str_in_output)
         for (first, rest), p, echo in zip(starts, params, echoes, strict=True)
     ]
     return EventStream(_events(body, starts, endpoint, head, log_probs, syntax))
@@ -264,7 +264,7 @@ async def _whole(backend, model, body, params, endpoint, echoes, head, log_probs
         content, calls = parse_whole(syntax, text)
         calls = [call.as_message() for call in calls]
         choices.append(CHAT.choice(i, content, _finish(finish, calls), shaped, calls))
-    return json_response(endpoint.answer(head, choices, Usage.of(_lasts(results))))
+    return json_response(endpoint.answer(head, choices, Usage.of(_last_chunks(results))))
 
 
 def _finish(reason: str | None, calls) -> str | None:
@@ -330,11 +330,12 @@ def _call_chunk(parser: ToolCallParser, index: int, chunk, log_probs) -> ChatChu
     return CHAT.chunk_choice(index, delta.content, finish, log_probs, delta.tool_call_deltas())
 
 
-def _lasts(results) -> list:
+def _last_chunks(results) -> list[GenerationChunk]:
+    """Each choice's last chunk (its token counts), from its (text, last chunk)."""
     return [last for _, last in results]
 
 
-async def _shaped(first, rest, params: GenerateParams, echo: str, keep_stop: bool):
+async def _cut_and_echoed(first, rest, params: GenerateParams, echo: str, keep_stop: bool):
     """A started choice with its stop strings cut and the echoed prompt before its text."""
     if not (params.stop or echo):
         return first, rest

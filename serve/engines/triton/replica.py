@@ -42,8 +42,8 @@ ACCESS_LINE = "serve_access_log"
 def logs_access(model: ModelConfig, answers_http: bool) -> bool:
     """Whether the replica writes Serve's access line for each call (deployment.access_log):
     by default where it answers HTTP, not behind the ingress, whose own line has the
-    request's id, status and time. A line per call was about 2% of a Triton replica's
-    event loop at 256 streams (py-spy: its record's formatting and write)."""
+    request's id, status and time: a line per call costs the replica's event loop its
+    record's formatting and write for every request."""
     setting = model.deployment.access_log
     return answers_http if setting is None else setting
 

@@ -1,9 +1,8 @@
 """One gRPC stream to Triton that carries every request of the replica's event loop.
 
-A gRPC stream per request (tritonclient's ``stream_infer``) made the replica's event
-loop set up and tear down a call for each request: at 256 streams, the call's setup,
-its request iterator and its reader task were about a tenth of the loop's samples
-(py-spy), paid in the burst of arrivals that decides time to first token. Triton's
+A gRPC stream per request (tritonclient's ``stream_infer``) makes the replica's event
+loop set up and tear down a call, a request iterator and a reader task for each
+request, paid in the burst of arrivals that decides time to first token. Triton's
 ``ModelStreamInfer`` carries any number of requests at once and stamps each response
 with its request's id, so one long-lived stream serves them all: requests are written
 to it as they come, and one reader task hands each response to its request's queue.
