@@ -17,9 +17,13 @@ from serve.api.common.keyring import Keyring
 from serve.api.http import create_app
 from serve.api.openai.answer import start_answer
 from serve.api.openai.prepare import ChatTurn
-from serve.api.openai.responses.routes import _Draft, _events
-from serve.api.openai.responses.schemas import LOG_PROBS, ResponsesRequest
+from serve.api.openai.responses.draft import Draft
+from serve.api.openai.responses.schemas import (
+    LOG_PROBS,
+    ResponsesRequest,
+)
 from serve.api.openai.responses.store import MemoryStore
+from serve.api.openai.responses.stream import answer_events
 from serve.generation import GenerateParams
 from tests.unit.test_http_api import FakeBackend, error_of
 from tests.unit.test_structured_api import CALL, DEEP, SCHEMA, ScriptedBackend
@@ -348,8 +352,8 @@ def test_a_stream_its_client_leaves_closes_the_engines_stream():
     async def leave_after_the_first_delta() -> list[str]:
         backend = ClosingBackend("one two three four", piece=2)
         turn = ChatTurn(backend.config.model("llm"), [GenerateParams("p", 8, request_id="r")], None)
-        draft = _Draft(ResponsesRequest(model="llm", input="x"), turn, stored=False)
-        frames = _events(backend, draft, await start_answer(backend, turn), [])
+        draft = Draft(ResponsesRequest(model="llm", input="x"), turn, stored=False)
+        frames = answer_events(backend, draft, await start_answer(backend, turn), [])
         async for frame in frames:
             if "response.output_text.delta" in frame:
                 break

@@ -1,7 +1,7 @@
 """The exact JSON of the stream events of Anthropic's Messages API and OpenAI's Responses
 API, key for key, as tests/unit/test_openai_wire.py pins chat's: which keys are null,
-which are left out, in which order. Their models (serve/api/anthropic/schemas.py,
-serve/api/openai/responses/schemas.py) must not change these bytes unnoticed."""
+which are left out, in which order. Their models (serve/api/anthropic/shapes.py,
+serve/api/openai/responses/shapes.py) must not change these bytes unnoticed."""
 
 from __future__ import annotations
 

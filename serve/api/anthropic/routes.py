@@ -22,11 +22,13 @@ from pydantic import BaseModel, ValidationError
 
 from serve.api.anthropic.schemas import (
     CountTokensRequest,
+    MessagesRequest,
+)
+from serve.api.anthropic.shapes import (
     ErrorEvent,
     InputJSONDelta,
     Message,
     MessageDelta,
-    MessagesRequest,
     MessageStreamEvent,
     PingEvent,
     RawContentBlockDeltaEvent,
