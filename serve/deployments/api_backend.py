@@ -37,7 +37,9 @@ from serve.api.http import create_app
 from serve.api.openai.responses.store import ResponseStore
 from serve.config import AppConfig, ModelConfig, RateLimitsConfig
 from serve.deployments.response_store import open_response_store, redis_url
-from serve.engines.facts import EngineFacts, engine_facts
+from serve.engines.facts import EngineFacts
+from serve.engines.triton.facts import triton_facts
+from serve.engines.vllm.facts import vllm_facts
 from serve.generation import GenerateParams, GenerationChunk, GenerationError
 from serve.metrics import MetricsPublisher, RequestMetrics, replica_labels
 from serve.migration import CannotResume, Resumable
@@ -123,7 +125,7 @@ class ServedModel:
     @classmethod
     def load(cls, model: ModelConfig, tokenizer=None) -> ServedModel:
         """``tokenizer``: the engine's, where this process has it loaded already."""
-        facts = engine_facts(model, tokenizer)
+        facts = (vllm_facts if model.engine == "vllm" else triton_facts)(model, tokenizer)
         return cls(
             engine=facts,
             token_texts=TokenTexts(facts.tokenizer, facts.skips_special_tokens),

@@ -1,13 +1,11 @@
 """What the API needs to know of a model's engine, whichever engine it is: each engine's
-package answers for its own (``triton/facts.py``, ``vllm/facts.py``)."""
+package answers for its own (``triton/facts.py``, ``vllm/facts.py``), in this shape."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from serve.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -20,15 +18,3 @@ class EngineFacts:
     # the prefix cache's count, resuming a moved stream (the torch engine's).
     extensions: bool
     takes_priority: bool  # the engine admits by a request's priority
-
-
-def engine_facts(model: ModelConfig, tokenizer=None) -> EngineFacts:
-    """``model``'s engine's facts; ``tokenizer``: its tokenizer where this process has
-    it loaded already (else it is loaded here, which takes seconds)."""
-    if model.engine == "vllm":
-        from serve.engines.vllm.facts import vllm_facts
-
-        return vllm_facts(model, tokenizer)
-    from serve.engines.triton.facts import triton_facts
-
-    return triton_facts(model, tokenizer)
