@@ -52,6 +52,21 @@ def prefix_counters(metrics_url: str) -> tuple[float, float]:
     return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
 
 
+def settled_counters(urls: list[str], quiet_s: float = 1.0) -> list[tuple[float, float]]:
+    """Each replica's counters once they stop moving: an engine flushes its metrics at
+    most every 0.25 s and only on a step, so the abandoned streams' last counts may land
+    a while after their clients left (seen on a loaded machine)."""
+    deadline = time.monotonic() + 30
+    counters = [prefix_counters(u) for u in urls]
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        again = [prefix_counters(u) for u in urls]
+        if again == counters:
+            return counters
+        counters = again
+    raise AssertionError(f"the replicas' prefix counters kept moving: {counters}")
+
+
 def served_by(urls: list[str], before: list[tuple[float, float]]) -> int:
     """The replica whose prefix cache was queried since ``before`` (one request)."""
     deadline = time.monotonic() + 30
@@ -143,7 +158,7 @@ def test_a_busy_or_lost_replica_gives_way_to_the_other(cluster, checkpoint_dir, 
     # with it) while the turn is in flight, nothing answered yet: the ingress retries it
     # once, and the router sends the retry to the other replica, not back to the dead
     # one that holds the prefix; Serve replaces the lost one.
-    before = [prefix_counters(u) for u in urls]
+    before = settled_counters(urls)
     body = {"model": "tritonllm-default", "prompt": prompt, "max_tokens": 300}
     body["min_tokens"] = 300  # a few seconds of decoding: time to kill its replica
     with ThreadPoolExecutor(1) as pool:

@@ -8,7 +8,14 @@ import json
 import re
 
 from serve.api.common.sse import sse
-from serve.api.openai.shapes import CHAT, COMPLETIONS, ChunkEvents, Usage
+from serve.api.openai.endpoints import (
+    CHAT,
+    COMPLETIONS,
+    ChunkEvents,
+)
+from serve.api.openai.shapes import (
+    Usage,
+)
 from serve.generation import GenerationChunk
 from tests.unit.test_http_api import client
 from tests.unit.test_structured_api import CALL, USER, WEATHER, ScriptedBackend, post

@@ -23,6 +23,13 @@ from serve.api.common.errors import APIError, InternalError, NotFound
 from serve.api.common.sse import EventStream, LastEvents, json_response, sse
 from serve.api.common.stops import cut_stream, cut_text
 from serve.api.common.tool_parsers import CallSyntax, ToolCallParser, parse_whole
+from serve.api.openai.endpoints import (
+    CHAT,
+    COMPLETIONS,
+    ChunkEvents,
+    Endpoint,
+    merge,
+)
 from serve.api.openai.log_probs import LogProbs
 from serve.api.openai.prepare import (
     BackendDep,
@@ -42,18 +49,13 @@ from serve.api.openai.schemas import (
     SamplingFields,
 )
 from serve.api.openai.shapes import (
-    CHAT,
-    COMPLETIONS,
     ChatChunkChoice,
-    ChunkEvents,
     Embedding,
     EmbeddingList,
     EmbeddingUsage,
-    Endpoint,
     ModelCard,
     ModelList,
     Usage,
-    merge,
 )
 from serve.config import ModelConfig
 from serve.generation import GenerateParams, GenerationChunk
