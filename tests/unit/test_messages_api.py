@@ -12,9 +12,7 @@ import anthropic
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.api.anthropic.schemas import (
-    MessagesRequest,
-)
+from serve.api.anthropic.schemas import MessagesRequest
 from serve.api.common.errors import Overloaded
 from serve.api.common.keyring import Keyring
 from serve.api.common.structured import NamedToolChoice

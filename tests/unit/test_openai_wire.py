@@ -13,9 +13,7 @@ from serve.api.openai.endpoints import (
     COMPLETIONS,
     ChunkEvents,
 )
-from serve.api.openai.shapes import (
-    Usage,
-)
+from serve.api.openai.shapes import Usage
 from serve.generation import GenerationChunk
 from tests.unit.test_http_api import client
 from tests.unit.test_structured_api import CALL, USER, WEATHER, ScriptedBackend, post

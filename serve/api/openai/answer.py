@@ -13,14 +13,10 @@ from dataclasses import dataclass, field
 from serve.api.common.backend import Backend
 from serve.api.common.stops import StopStringCutter
 from serve.api.common.tool_parsers import ToolCall, ToolCallParser, parse_whole
-from serve.api.openai.endpoints import (
-    CHAT,
-)
+from serve.api.openai.endpoints import CHAT
 from serve.api.openai.log_probs import LogProbs
 from serve.api.openai.prepare import ChatTurn
-from serve.api.openai.shapes import (
-    ChatTokenLogProb,
-)
+from serve.api.openai.shapes import ChatTokenLogProb
 from serve.generation import GenerationChunk
 
 

@@ -7,9 +7,7 @@ Responses API (whose output text takes chat's token entries) read them here.
 from __future__ import annotations
 
 from serve.api.common.backend import Backend
-from serve.api.openai.endpoints import (
-    Endpoint,
-)
+from serve.api.openai.endpoints import Endpoint
 from serve.api.openai.shapes import (
     ChatLogProbs,
     CompletionLogProbs,

@@ -3,18 +3,13 @@ and its record in the response store."""
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 
 from serve.api.common.errors import APIError, TooLarge
-from serve.api.openai.answer import (
-    Answer,
-)
+from serve.api.openai.answer import Answer
 from serve.api.openai.prepare import ChatTurn
-from serve.api.openai.responses.schemas import (
-    ResponsesRequest,
-)
+from serve.api.openai.responses.schemas import ResponsesRequest
 from serve.api.openai.responses.shapes import (
     IncompleteDetails,
     Response,
@@ -26,8 +21,6 @@ from serve.api.openai.responses.shapes import (
     ResponseUsage,
 )
 from serve.api.openai.responses.store import RecordTooLarge, ResponseStore
-
-log = logging.getLogger("ray.serve")
 
 
 class Draft:
