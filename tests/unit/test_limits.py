@@ -17,7 +17,7 @@ from serve.api.common.keyring import Keyring
 from serve.api.common.limits import MemoryBuckets, RedisBuckets, duration
 from serve.api.http import create_app
 from serve.engines.triton.launcher import free_port
-from tests.unit.test_http_api import EndlessBackend, FakeBackend, error_of
+from tests.support.fakes import EndlessBackend, FakeBackend, error_of
 
 
 class Clock:

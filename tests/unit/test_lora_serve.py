@@ -18,7 +18,7 @@ from serve.api.common.errors import NotFound
 from serve.config import AppConfig, ModelConfig
 from serve.engines.triton.requests import AdapterInputs, ensemble_inputs
 from serve.generation import GenerateParams, GenerationChunk, GenerationError, StreamPacing
-from tests.unit.test_http_api import FakeBackend, client, error_of
+from tests.support.fakes import FakeBackend, client, error_of
 from tritonllm import contract, lora
 
 BASE = {"hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1}

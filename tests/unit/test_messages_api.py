@@ -17,19 +17,9 @@ from serve.api.common.errors import Overloaded
 from serve.api.common.keyring import Keyring
 from serve.api.common.structured import NamedToolChoice
 from serve.api.http import create_app
-from tests.unit.test_http_api import FakeBackend
-from tests.unit.test_structured_api import CALL, ScriptedBackend
-
-WEATHER = {
-    "name": "get_weather",
-    "description": "the weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        "required": ["city"],
-    },
-}
-ASK = [{"role": "user", "content": "weather in Paris?"}]
+from tests.support.fakes import FakeBackend, ScriptedBackend
+from tests.support.payloads import ASK, CALL
+from tests.support.payloads import MESSAGES_WEATHER as WEATHER
 
 
 def http(backend=None, keys=(), record=None) -> TestClient:

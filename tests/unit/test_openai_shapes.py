@@ -14,7 +14,7 @@ from serve.api.common.sampling import GREEDY, SamplingDefaults, resolve
 from serve.api.common.stops import StopStringCutter, cut_text
 from serve.deployments.api_backend import as_api_error
 from serve.generation import GenerationError
-from tests.unit.test_http_api import FakeBackend, client, error_of
+from tests.support.fakes import FakeBackend, client, error_of
 
 
 def chat(content, role="user", **extra) -> dict:

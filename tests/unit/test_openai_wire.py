@@ -15,8 +15,9 @@ from serve.api.openai.endpoints import (
 )
 from serve.api.openai.shapes import Usage
 from serve.generation import GenerationChunk
-from tests.unit.test_http_api import client
-from tests.unit.test_structured_api import CALL, USER, WEATHER, ScriptedBackend, post
+from tests.support.fakes import ScriptedBackend, client, post
+from tests.support.payloads import CALL, USER
+from tests.support.payloads import CHAT_WEATHER as WEATHER
 
 HEAD = {"id": "chatcmpl-ID", "created": 0, "model": "llm"}
 CHUNK = '{"id":"chatcmpl-ID","created":0,"model":"llm","object":"chat.completion.chunk"'

@@ -22,28 +22,11 @@ from serve.api.openai.responses.schemas import (
     LOG_PROBS,
     ResponsesRequest,
 )
-from serve.api.openai.responses.store import MemoryStore
 from serve.api.openai.responses.stream import answer_events
 from serve.generation import GenerateParams
-from tests.unit.test_http_api import FakeBackend, error_of
-from tests.unit.test_structured_api import CALL, DEEP, SCHEMA, ScriptedBackend
-
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "the weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        "required": ["city"],
-    },
-}
-
-
-class StoringBackend(ScriptedBackend):
-    def __init__(self, answer: str = "hello", **kwargs):
-        super().__init__(answer, **kwargs)
-        self.response_store = MemoryStore(max_bytes=1 << 20, ttl_s=60)
+from tests.support.fakes import FakeBackend, ScriptedBackend, StoringBackend, error_of
+from tests.support.payloads import CALL, DEEP, SCHEMA
+from tests.support.payloads import RESPONSES_WEATHER as WEATHER
 
 
 def api(backend) -> TestClient:

@@ -10,10 +10,10 @@ import re
 from fastapi.testclient import TestClient
 
 from serve.api.http import create_app
-from tests.unit.test_messages_api import ASK
-from tests.unit.test_messages_api import WEATHER as TOOL
-from tests.unit.test_responses_api import WEATHER, StoringBackend
-from tests.unit.test_structured_api import CALL, ScriptedBackend
+from tests.support.fakes import ScriptedBackend, StoringBackend
+from tests.support.payloads import ASK, CALL
+from tests.support.payloads import MESSAGES_WEATHER as TOOL
+from tests.support.payloads import RESPONSES_WEATHER as WEATHER
 
 ARGUMENTS = r'"{\"city\": \"Paris\", \"days\": 2}"'
 

@@ -8,39 +8,12 @@ import json
 
 import pytest
 import xgrammar
-from fastapi.testclient import TestClient
 
-from serve.api.http import create_app
-from serve.config import AppConfig
-from serve.engines.triton.requests import final_chunk
-from serve.generation import GenerationChunk
-from tests.unit.test_http_api import FakeBackend, error_of
+from tests.support.fakes import ScriptedBackend, error_of, post
+from tests.support.payloads import CALL, DEEP, SCHEMA, USER
+from tests.support.payloads import CHAT_WEATHER as WEATHER
 
-CONFIG = AppConfig.model_validate(
-    {
-        "models": [
-            {"id": "llm", "max_tokens_cap": 64, "tool_call_parser": "hermes"},
-            {"id": "plain", "max_tokens_cap": 64},  # no tool_call_parser
-        ]
-    }
-)
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "the weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            "required": ["city"],
-        },
-    },
-}
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
-CALL = (
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
-)
-USER = [{"role": "user", "content": "weather in Paris?"}]
 # Keywords the grammar does not enforce (tritonllm/schema_checks.py): a 400 with strict.
 UNENFORCED = {
     "type": "object",
@@ -53,39 +26,6 @@ STRICT_TOOL = {
     "type": "function",
     "function": {"name": "f", "parameters": UNENFORCED, "strict": True},
 }
-DEEP = json.loads('{"items":' * 100 + "{}" + "}" * 100)  # 101 levels of objects
-
-
-class ScriptedBackend(FakeBackend):
-    """Answers every request with ``answer``, a few characters per chunk."""
-
-    config = CONFIG
-
-    def __init__(self, answer: str = "hello", piece: int = 3, finish: str = "stop"):
-        super().__init__()
-        self.answer, self.piece, self.finish = answer, piece, finish
-        self.rendered = []  # (messages, tools) each chat_prompt call got
-
-    def chat_prompt(self, model, messages, tools=None):
-        self.rendered.append((messages, tools))
-        return "prompt"
-
-    async def _chunks(self, params):
-        self.params.append(params)
-        pieces = [self.answer[i : i + self.piece] for i in range(0, len(self.answer), self.piece)]
-        last = None
-        for i, text in enumerate(pieces):
-            last = GenerationChunk(text, 1, i + 1)
-            yield last
-        end = final_chunk(last, params)
-        yield GenerationChunk(
-            "", end.num_input_tokens, end.num_output_tokens, finish_reason=self.finish
-        )
-
-
-def post(backend, body, path="/v1/chat/completions"):
-    app = create_app(backend)
-    return TestClient(app, raise_server_exceptions=False).post(path, json=body)
 
 
 def chat(backend, **body):
@@ -101,8 +41,6 @@ def streamed(backend, **body) -> list[dict]:
 
 
 # -- guides ----------------------------------------------------------------------------
-
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from serve.api.common.fairness import FairQueue
 from serve.api.common.keyring import RELOAD_S, Keyring
 from serve.api.http import create_app
 from serve.api.openai.responses.store import MemoryStore
-from tests.unit.test_http_api import FakeBackend, error_of
+from tests.support.fakes import FakeBackend, error_of
 
 TENANTS = """
 tenants:

@@ -1,0 +1,1 @@
+"""Helpers the tests share: fake backends, request payloads."""
