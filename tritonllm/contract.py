@@ -402,7 +402,7 @@ ALL_MODELS = {**MODELS, **EMBEDDING_MODELS}
 
 
 # The most alternatives per token an engine request may ask for (as many as OpenAI's
-# top_logprobs bound, which the API holds: serve/api/openai/schemas.py).
+# top_logprobs bound, which the API holds: serve/api/openai/fields.py).
 MAX_TOP_LOG_PROBS = 20
 
 

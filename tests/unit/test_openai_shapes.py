@@ -410,7 +410,9 @@ def test_an_unknown_field_is_a_400_naming_it():
 
 def test_the_apis_bound_on_alternatives_is_within_the_engines():
     """OpenAI's bound is the API's own; the engines' contract must take as many."""
-    from serve.api.openai.schemas import MAX_TOP_LOG_PROBS
+    from serve.api.openai.fields import (
+        MAX_TOP_LOG_PROBS,
+    )
     from tritonllm import contract
 
     assert MAX_TOP_LOG_PROBS <= contract.MAX_TOP_LOG_PROBS

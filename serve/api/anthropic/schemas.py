@@ -25,7 +25,11 @@ from pydantic import (
 )
 
 from serve.api.common.structured import FUNCTION_NAME
-from serve.api.openai.schemas import ChatCompletionRequest, ChatMessage, Text
+from serve.api.openai.fields import Text
+from serve.api.openai.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+)
 
 # Anthropic names no cap on stop_sequences; each is matched against the answer's text
 # at every chunk (serve/api/common/stops.py), so some bound keeps a request's cost in check.

@@ -23,7 +23,11 @@ from serve.api.common.metered import MeteredBackend, SeatedBackend
 from serve.api.common.middleware import request_state
 from serve.api.common.structured import Guide, tool_guide
 from serve.api.common.tool_parsers import SYNTAXES, CallSyntax
-from serve.api.openai.schemas import MAX_CHOICES, ChatCompletionRequest, SamplingFields
+from serve.api.openai.fields import (
+    MAX_CHOICES,
+    SamplingFields,
+)
+from serve.api.openai.schemas import ChatCompletionRequest
 from serve.config import ModelConfig
 from serve.generation import GenerateParams
 

@@ -30,6 +30,7 @@ from serve.api.openai.endpoints import (
     Endpoint,
     merge,
 )
+from serve.api.openai.fields import SamplingFields
 from serve.api.openai.log_probs import LogProbs
 from serve.api.openai.prepare import (
     BackendDep,
@@ -46,7 +47,6 @@ from serve.api.openai.schemas import (
     CompletionRequest,
     EmbeddingRequest,
     GenerateRequest,
-    SamplingFields,
 )
 from serve.api.openai.shapes import (
     ChatChunkChoice,

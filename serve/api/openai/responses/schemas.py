@@ -30,7 +30,10 @@ from serve.api.common.structured import (
     JSONObjectFormat,
     TextFormat,
 )
-from serve.api.openai.schemas import MAX_TOP_LOG_PROBS, Text
+from serve.api.openai.fields import (
+    MAX_TOP_LOG_PROBS,
+    Text,
+)
 
 
 class _Strict(BaseModel):
