@@ -102,8 +102,10 @@ def resumed(cluster) -> float:
 
 def wait_for_resumed(cluster, before: float) -> None:
     """Until the app's counter shows a request resumed since ``before``: the ingress
-    pushes its figures to the collector every 5 s, so a scrape may not show them yet."""
-    wait_for(lambda: resumed(cluster) > before, 30, "a resumed request counted")
+    pushes its figures to the collector every 5 s, so a scrape may not show them yet,
+    and on a loaded machine (make test's two parts side by side) a push can miss its
+    5 s turn; 30 s were once not enough there, with the streams resumed as asserted."""
+    wait_for(lambda: resumed(cluster) > before, 60, "a resumed request counted")
 
 
 def two_replicas(cluster) -> list[dict]:
