@@ -31,7 +31,11 @@ class Draft:
         self.stored = stored
         self._created = int(time.time())
         self._body, self._turn = body, turn
-        self.items = body.items  # this turn's input
+
+    @property
+    def input_count(self) -> int:
+        """How many items this turn's request sent (``input_items`` lists them)."""
+        return len(self._body.items)
 
     def snapshot(self, status: str, output: list[ResponseOutputItem], **fields) -> Response:
         body, params = self._body, self._turn.params[0]
@@ -148,7 +152,7 @@ async def save(
         record = {
             "response": stored,
             "conversation": history + stored["output"],
-            "input_count": len(draft.items),
+            "input_count": draft.input_count,
         }
         try:
             await store.put(draft.id, record)

@@ -89,7 +89,6 @@ async def list_input_items(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
-    include: Annotated[list[str] | None, Query()] = None,  # image URLs and such: none here
 ):
     record = await _stored(store, response_id, "response_id")
     return page(input_items(record), after, limit, order)
