@@ -12,17 +12,17 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from serve.api.common.answer import start_answer
 from serve.api.common.errors import Overloaded
 from serve.api.common.keyring import Keyring
 from serve.api.http import create_app
-from serve.api.openai.answer import start_answer
 from serve.api.openai.prepare import ChatTurn
 from serve.api.openai.responses.draft import Draft
 from serve.api.openai.responses.schemas import (
     LOG_PROBS,
     ResponsesRequest,
 )
-from serve.api.openai.responses.stream import answer_events
+from serve.api.openai.responses.stream import response_events
 from serve.generation import GenerateParams
 from tests.support.fakes import FakeBackend, ScriptedBackend, StoringBackend, error_of
 from tests.support.payloads import CALL, DEEP, SCHEMA
@@ -336,7 +336,8 @@ def test_a_stream_its_client_leaves_closes_the_engines_stream():
         backend = ClosingBackend("one two three four", piece=2)
         turn = ChatTurn(backend.config.model("llm"), [GenerateParams("p", 8, request_id="r")], None)
         draft = Draft(ResponsesRequest(model="llm", input="x"), turn, stored=False)
-        frames = answer_events(backend, draft, await start_answer(backend, turn), [])
+        stream = await start_answer(backend, turn.model, turn.params[0], turn.reading())
+        frames = response_events(backend, draft, stream, [])
         async for frame in frames:
             if "response.output_text.delta" in frame:
                 break

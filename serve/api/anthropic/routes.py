@@ -3,7 +3,7 @@
 A message is one chat turn on the path every chat-shaped API shares: the request
 becomes a chat request (:meth:`MessagesRequest.chat_request`) for
 :func:`serve.api.openai.prepare.chat_turn` (model, limits, template, guides, call syntax), and
-the answer of :mod:`serve.api.openai.answer` is shaped here as Anthropic's message, whole or
+the answer of :mod:`serve.api.common.answer` is shaped here as Anthropic's message, whole or
 as its stream of events. Errors on this path have Anthropic's shape
 (:mod:`serve.api.common.errors`).
 """
@@ -43,19 +43,20 @@ from serve.api.anthropic.shapes import (
     ToolUseBlock,
     Usage,
 )
-from serve.api.common.auth import require_messages_api_key
-from serve.api.common.errors import MESSAGES_PATH, APIError, InternalError, anthropic_body
-from serve.api.common.sse import EventStream, one_line
-from serve.api.openai.answer import (
+from serve.api.common.answer import (
     Answer,
     AnswerStream,
     ArgumentsDelta,
     CallStarted,
     ContentDelta,
     Event,
+    answer_events,
     start_answer,
     whole_answer,
 )
+from serve.api.common.auth import require_messages_api_key
+from serve.api.common.errors import MESSAGES_PATH, APIError, InternalError, anthropic_body
+from serve.api.common.sse import EventStream, one_line
 from serve.api.openai.prepare import BackendDep, chat_turn, count_prompt_tokens, guided
 from serve.api.openai.schemas import ChatCompletionRequest
 
@@ -70,11 +71,10 @@ async def create_message(body: MessagesRequest, request: Request, backend: Backe
     turn = await guided(functools.partial(chat_turn, chat, request, backend), chat)
     message_id = f"msg_{uuid.uuid4().hex}"
     if not body.stream:
-        answer = await whole_answer(backend, turn)
+        answer = await whole_answer(backend, turn.model, turn.params[0], turn.reading())
         return JSONResponse(_message(message_id, turn.served, answer).model_dump())
-    events = await start_answer(backend, turn)
-    stream = _stream(message_id, turn.served, events)
-    return EventStream(stream)
+    stream = await start_answer(backend, turn.model, turn.params[0], turn.reading())
+    return EventStream(_stream(message_id, turn.served, stream))
 
 
 @messages_router.post(MESSAGES_PATH + "/count_tokens")
@@ -147,11 +147,11 @@ def _sse(event: BaseModel) -> str:
     return f"event: {event.type}\ndata: {one_line(event.model_dump_json())}\n\n"
 
 
-async def _stream(message_id: str, model: str, events: AnswerStream):
+async def _stream(message_id: str, model: str, stream: AnswerStream):
     """Anthropic's events: message_start, ping, each content block opened, filled and
     closed in order, message_delta with the stop reason and the usage, message_stop. An
     error after the first byte is an ``error`` event, never a cut stream."""
-    cached = events.cached_tokens
+    cached = stream.cached_tokens
     empty = Message(
         id=message_id,
         model=model,
@@ -159,7 +159,7 @@ async def _stream(message_id: str, model: str, events: AnswerStream):
         stop_reason=None,
         stop_sequence=None,
         usage=Usage(
-            input_tokens=events.input_tokens - cached,
+            input_tokens=stream.input_tokens - cached,
             output_tokens=0,
             cache_read_input_tokens=cached,
         ),
@@ -168,7 +168,7 @@ async def _stream(message_id: str, model: str, events: AnswerStream):
     try:
         yield _sse(RawMessageStartEvent(message=empty))
         yield _sse(PingEvent())
-        async for event in events:
+        async for event in answer_events(stream):
             for shaped in blocks.shape(event):
                 yield _sse(shaped)
         yield _sse(RawMessageStopEvent())
@@ -179,7 +179,7 @@ async def _stream(message_id: str, model: str, events: AnswerStream):
         error = InternalError("internal server error; see the server log")
         yield _sse(ErrorEvent.model_validate(anthropic_body(error)))
     finally:
-        await events.aclose()  # also when the client left: the engine stops
+        await stream.aclose()  # also when the client left: the engine stops
 
 
 class _Blocks:

@@ -9,11 +9,6 @@ stream). Written by hand: this is the API's own text rule, no library has it.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import AsyncIterator
-
-from serve.generation import GenerationChunk
-
 
 class StopStringCutter:
     """Feeds an answer's text through, releasing only what cannot become a stop string.
@@ -58,29 +53,3 @@ class StopStringCutter:
             if any(s.startswith(tail) for s in self._stops):
                 return length
         return 0
-
-
-def cut_text(text: str, stops: tuple[str, ...], include_stop: bool) -> tuple[str, bool]:
-    """A whole answer cut at its first stop string, and whether one was found."""
-    cutter = StopStringCutter(stops, include_stop)
-    kept = cutter.feed(text)
-    return (kept, True) if cutter.stopped else (kept + cutter.flush(), False)
-
-
-async def cut_stream(
-    chunks: AsyncIterator[GenerationChunk], stops: tuple[str, ...], include_stop: bool
-) -> AsyncIterator[GenerationChunk]:
-    """``chunks`` with their text cut at the first stop string, which ends the answer
-    (finish_reason "stop"); closing this closes ``chunks`` (the engine stops)."""
-    cutter = StopStringCutter(stops, include_stop)
-    try:
-        async for chunk in chunks:
-            text = cutter.feed(chunk.text)
-            if cutter.stopped:
-                yield dataclasses.replace(chunk, text=text, finish_reason="stop")
-                return
-            if chunk.finish_reason:
-                text += cutter.flush()
-            yield dataclasses.replace(chunk, text=text)
-    finally:
-        await chunks.aclose()

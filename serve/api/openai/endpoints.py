@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from serve.api.common.answer import AnswerStream, Step
 from serve.api.common.errors import APIError
 from serve.api.common.sse import one_line, sse
 from serve.api.openai.shapes import (
@@ -29,7 +30,6 @@ from serve.api.openai.shapes import (
     CompletionLogProbs,
     Usage,
 )
-from serve.generation import GenerationChunk
 
 # A position's alternatives as token texts: [(text, log probability)], most likely first.
 Alternatives = list[tuple[str, float]]
@@ -50,14 +50,17 @@ class Endpoint:
             "model": model,
         }
 
-    def choice(self, index: int, text: str, finish_reason: str | None, logprobs=None) -> BaseModel:
-        """A whole answer's choice."""
+    def choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs=None, tool_calls=None
+    ) -> BaseModel:
+        """A whole answer's choice (``tool_calls``: its calls as OpenAI's messages)."""
         raise NotImplementedError
 
     def chunk_choice(
-        self, index: int, text: str, finish_reason: str | None, logprobs=None
+        self, index: int, text: str, finish_reason: str | None, logprobs=None, tool_calls=None
     ) -> BaseModel:
-        """A stream chunk's choice: what is new since the last."""
+        """A stream chunk's choice: what is new since the last (``tool_calls``: the
+        calls' pieces, as OpenAI's ``delta.tool_calls``)."""
         raise NotImplementedError
 
     def openings(self, count: int) -> list[BaseModel]:
@@ -86,7 +89,8 @@ class CompletionsEndpoint(Endpoint):
     id_prefix = "cmpl"
     text_offsets = True
 
-    def choice(self, index, text, finish_reason, logprobs=None) -> CompletionChoice:
+    def choice(self, index, text, finish_reason, logprobs=None, tool_calls=None):
+        """Completions read no tool calls: ``tool_calls`` is always empty here."""
         return CompletionChoice(
             index=index, text=text, logprobs=logprobs, finish_reason=finish_reason
         )
@@ -211,31 +215,29 @@ class ChunkEvents:
         return f"{self._opening}{one_line(shaped)}]{counted}}}\n\n"
 
 
-async def merge(starts) -> AsyncIterator[tuple[int, GenerationChunk]]:
-    """Interleave several started streams (``(first chunk, rest)`` pairs) as
-    ``(index, chunk)`` in arrival order; every stream is closed when this ends."""
-    if len(starts) == 1:  # the common case, without a task and a queue per chunk
-        first, rest = starts[0]
+async def merge(streams: list[AnswerStream]) -> AsyncIterator[tuple[int, Step]]:
+    """Interleave several choices' steps as ``(index, step)`` in arrival order; every
+    stream is closed when this ends."""
+    if len(streams) == 1:  # the common case, without a task and a queue per step
+        stream = streams[0]
         try:
-            yield 0, first
-            async for chunk in rest:
-                yield 0, chunk
+            async for step in stream:
+                yield 0, step
         finally:
-            await rest.aclose()
+            await stream.aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, first: GenerationChunk, rest) -> None:
+    async def pump(index: int, stream: AnswerStream) -> None:
         try:
-            await queue.put((index, first))
-            async for chunk in rest:
-                await queue.put((index, chunk))
+            async for step in stream:
+                await queue.put((index, step))
         except APIError as error:
             await queue.put((index, error))
         finally:
             await queue.put((index, None))
 
-    tasks = [asyncio.create_task(pump(i, first, rest)) for i, (first, rest) in enumerate(starts)]
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     try:
         remaining = len(tasks)
         while remaining:
@@ -250,5 +252,5 @@ async def merge(starts) -> AsyncIterator[tuple[int, GenerationChunk]]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for _, rest in starts:
-            await rest.aclose()
+        for stream in streams:
+            await stream.aclose()

@@ -7,13 +7,13 @@ Responses API (whose output text takes chat's token entries) read them here.
 from __future__ import annotations
 
 from serve.api.common.backend import Backend
-from serve.api.openai.endpoints import Endpoint
+from serve.api.openai.endpoints import CHAT, Endpoint
 from serve.api.openai.shapes import (
     ChatLogProbs,
     CompletionLogProbs,
 )
 from serve.config import ModelConfig
-from serve.generation import GenerationChunk, TopLogProbs
+from serve.generation import GenerateParams, GenerationChunk, TopLogProbs
 
 
 class LogProbs:
@@ -62,3 +62,12 @@ class LogProbs:
         if top is None or isinstance(top, list):  # none (a prompt's first) or not asked
             return top
         return list(zip(self._tokens.texts(top.token_ids), top.log_probs, strict=True))
+
+
+def chat_entries(backend: Backend, model: ModelConfig, params: GenerateParams):
+    """A chunk's tokens' log probabilities as chat's entries, which the Responses API's
+    output text takes; None where the request did not ask for them."""
+    if not params.return_log_probs:
+        return None
+    shaped = LogProbs(backend, model, CHAT, [""])
+    return lambda chunk: shaped(0, chunk).content

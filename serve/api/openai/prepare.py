@@ -16,6 +16,7 @@ from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 
+from serve.api.common.answer import Reading
 from serve.api.common.auth import caller
 from serve.api.common.backend import Backend
 from serve.api.common.errors import APIError, NotFound
@@ -185,6 +186,10 @@ class ChatTurn:
     def served(self) -> str:
         """The model id the answer names (a pool's variant, an adapter)."""
         return served_id(self.model, self.params[0])
+
+    def reading(self, keep_stop: bool = False) -> Reading:
+        """How each choice's text is read: cut at the stop strings, calls taken out."""
+        return Reading(self.params[0].stop, self.syntax, keep_stop)
 
 
 async def guided(prepare: Callable[[], T], body: SamplingFields) -> T:

@@ -17,12 +17,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
 
+from serve.api.common.answer import Answer, AnswerStream, Reading, start_answer, whole_answer
 from serve.api.common.auth import caller, require_api_key
 from serve.api.common.backend import Backend
 from serve.api.common.errors import APIError, InternalError, NotFound
 from serve.api.common.sse import EventStream, LastEvents, json_response, sse
-from serve.api.common.stops import cut_stream, cut_text
-from serve.api.common.tool_parsers import CallSyntax, ToolCallParser, parse_whole
 from serve.api.openai.endpoints import (
     CHAT,
     COMPLETIONS,
@@ -49,7 +48,6 @@ from serve.api.openai.schemas import (
     GenerateRequest,
 )
 from serve.api.openai.shapes import (
-    ChatChunkChoice,
     Embedding,
     EmbeddingList,
     EmbeddingUsage,
@@ -58,7 +56,7 @@ from serve.api.openai.shapes import (
     Usage,
 )
 from serve.config import ModelConfig
-from serve.generation import GenerateParams, GenerationChunk
+from serve.generation import GenerateParams
 
 log = logging.getLogger("ray.serve")
 
@@ -116,7 +114,11 @@ async def completions(body: CompletionRequest, request: Request, backend: Backen
     echoes = [_prompt_text(backend, model, p) if body.echo else "" for p in params]
     if prompt_alone:
         return await _prompts_alone(backend, model, body, params, echoes)
-    return await _respond(backend, model, body, params, COMPLETIONS, echoes)
+    readings = [
+        Reading(p.stop, keep_stop=body.include_stop_str_in_output, echo=echo)
+        for p, echo in zip(params, echoes, strict=True)
+    ]
+    return await _respond(backend, model, body, params, COMPLETIONS, readings)
 
 
 def _check_token_ids(backend: Backend, model: ModelConfig, prompts: list[list[int]]) -> None:
@@ -152,13 +154,10 @@ async def _prompts_alone(backend, model, body: CompletionRequest, params, echoes
     head = COMPLETIONS.head(served_id(model, params[0]))
     log_probs = LogProbs(backend, model, COMPLETIONS, echoes) if body.logprobs is not None else None
     if body.stream:
-        starts = [(last, _nothing()) for last in lasts]
-        return EventStream(_events(body, starts, COMPLETIONS, head, log_probs))
-    answers = [
-        COMPLETIONS.choice(i, last.text, last.finish_reason, log_probs and log_probs(i, last))
-        for i, last in enumerate(lasts)
-    ]
-    return json_response(COMPLETIONS.answer(head, answers, Usage.of(lasts)))
+        streams = [AnswerStream(last, _nothing(), Reading()) for last in lasts]
+        return EventStream(_events(body, streams, COMPLETIONS, head, log_probs))
+    answers = [Answer(last.text, [], "length", None, last) for last in lasts]
+    return json_response(_whole(answers, COMPLETIONS, head, log_probs))
 
 
 async def _nothing():
@@ -175,7 +174,8 @@ def _prompt_text(backend: Backend, model: ModelConfig, params: GenerateParams) -
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, backend: BackendDep):
     turn = await guided(functools.partial(chat_turn, body, request, backend), body)
-    return await _respond(backend, turn.model, body, turn.params, CHAT, syntax=turn.syntax)
+    readings = [turn.reading(body.include_stop_str_in_output)] * len(turn.params)
+    return await _respond(backend, turn.model, body, turn.params, CHAT, readings)
 
 
 @router.post("/v1/embeddings")
@@ -235,76 +235,58 @@ async def _respond(
     body: SamplingFields,
     params: list[GenerateParams],
     endpoint: Endpoint,
-    echoes: list[str] | None = None,
-    syntax: CallSyntax | None = None,
+    readings: list[Reading],
 ):
+    """Each choice's answer (one per params, read as its reading says), whole or
+    streamed, in the shape of ``endpoint``."""
     head = endpoint.head(served_id(model, params[0]))
-    echoes = echoes or [""] * len(params)
+    echoes = [reading.echo for reading in readings]
     log_probs = LogProbs(backend, model, endpoint, echoes) if params[0].return_log_probs else None
+    choices = list(zip(params, readings, strict=True))
     if not body.stream:
-        return await _whole(backend, model, body, params, endpoint, echoes, head, log_probs, syntax)
-    starts = await _start_all(backend, model, params)
-    starts = [
-        await _cut_and_echoed(first, rest, p, echo, body.include_stop_str_in_output)
-        for (first, rest), p, echo in zip(starts, params, echoes, strict=True)
+        answers = await _gather(whole_answer(backend, model, p, r) for p, r in choices)
+        return json_response(_whole(answers, endpoint, head, log_probs))
+    streams = await _start_all(start_answer(backend, model, p, r) for p, r in choices)
+    return EventStream(_events(body, streams, endpoint, head, log_probs))
+
+
+def _whole(answers: list[Answer], endpoint: Endpoint, head: dict, log_probs):
+    choices = [
+        endpoint.choice(
+            i,
+            answer.content,
+            answer.finish_reason,
+            log_probs and log_probs(i, answer.last),
+            [call.as_message() for call in answer.calls],
+        )
+        for i, answer in enumerate(answers)
     ]
-    return EventStream(_events(body, starts, endpoint, head, log_probs, syntax))
+    return endpoint.answer(head, choices, Usage.of([answer.last for answer in answers]))
 
 
-async def _whole(backend, model, body, params, endpoint, echoes, head, log_probs, syntax):
-    results = await _gather(backend.collect(model, p) for p in params)
-    choices = []
-    for i, (p, (text, last)) in enumerate(zip(params, results, strict=True)):
-        finish = last.finish_reason
-        if p.stop:
-            text, stopped = cut_text(text, p.stop, body.include_stop_str_in_output)
-            finish = "stop" if stopped else finish
-        shaped = log_probs and log_probs(i, last)
-        if syntax is None:
-            choices.append(endpoint.choice(i, echoes[i] + text, finish, shaped))
-            continue
-        content, calls = parse_whole(syntax, text)
-        calls = [call.as_message() for call in calls]
-        choices.append(CHAT.choice(i, content, _finish(finish, calls), shaped, calls))
-    return json_response(endpoint.answer(head, choices, Usage.of(_last_chunks(results))))
-
-
-def _finish(reason: str | None, calls) -> str | None:
-    """An answer that called tools and ended on its own ends with ``tool_calls``."""
-    return "tool_calls" if calls and reason == "stop" else reason
-
-
-async def _events(
-    body: SamplingFields, starts, endpoint: Endpoint, head: dict, log_probs, syntax=None
-):
-    """The SSE events of started choices: chunks as they come, the usage chunk, [DONE].
+async def _events(body: SamplingFields, streams, endpoint: Endpoint, head: dict, log_probs):
+    """The SSE events of started choices: a chunk for each step that adds text, a tool
+    call's piece, tokens (where their log probabilities were asked for) or the end; the
+    usage chunk; [DONE].
 
     Events that are ready together leave together (one write each time): the
     openings with the first chunk, the last choice's final chunk with the usage and
     [DONE], as :class:`LastEvents`."""
     event = ChunkEvents(endpoint, head)
-
-    lasts = [first for first, _ in starts]
-    parsers = [ToolCallParser(syntax) for _ in starts] if syntax else None
-    held = [event([opening]) for opening in endpoint.openings(len(starts))]
+    held = [event([opening]) for opening in endpoint.openings(len(streams))]
     finished = 0
     failure = None
     try:
-        async for index, chunk in merge(starts):
-            lasts[index] = chunk
-            if chunk.text or chunk.finish_reason or (log_probs and chunk.token_ids):
-                usage = Usage.of(lasts) if body.continuous_usage else None
+        async for index, step in merge(streams):
+            chunk, delta, finish = step.chunk, step.delta, step.finish_reason
+            if delta or finish or (log_probs and chunk.token_ids):
+                usage = _usage(streams) if body.continuous_usage else None
+                calls = delta.tool_call_deltas() if delta.started or delta.arguments else None
                 shaped = log_probs and log_probs(index, chunk)
-                if parsers is None:
-                    shaped_choice = endpoint.chunk_choice(
-                        index, chunk.text, chunk.finish_reason, shaped
-                    )
-                else:
-                    shaped_choice = _call_chunk(parsers[index], index, chunk, shaped)
-                if shaped_choice is not None:
-                    held.append(event([shaped_choice], usage))
-            finished += bool(chunk.finish_reason)
-            if held and finished < len(starts):  # else the stream's end follows at once
+                choice = endpoint.chunk_choice(index, delta.content, finish, shaped, calls)
+                held.append(event([choice], usage))
+            finished += finish is not None
+            if held and finished < len(streams):  # else the stream's end follows at once
                 yield "".join(held)
                 held.clear()
     except APIError as error:  # mid-stream: an error event, never a cut stream
@@ -313,48 +295,14 @@ async def _events(
         log.exception("stream %s failed after its first byte", head["id"])
         failure = InternalError("internal server error; see the server log")
     if body.include_usage:  # what was generated, also when the stream failed
-        held.append(event([], Usage.of(lasts)))
+        held.append(event([], _usage(streams)))
     if failure is not None:
         held.append(sse(failure.body()))
     yield LastEvents("".join([*held, sse("[DONE]")]))
 
 
-def _call_chunk(parser: ToolCallParser, index: int, chunk, log_probs) -> ChatChunkChoice | None:
-    """A chat chunk with the content and ``delta.tool_calls`` its text adds (None: the
-    text is held back, a call's opening perhaps, and nothing else is new)."""
-    delta = parser.feed(chunk.text)
-    finish = chunk.finish_reason
-    if finish:
-        delta.content += parser.finish().content
-        finish = _finish(finish, parser.calls)
-    if not (delta or finish or log_probs):
-        return None
-    return CHAT.chunk_choice(index, delta.content, finish, log_probs, delta.tool_call_deltas())
-
-
-def _last_chunks(results) -> list[GenerationChunk]:
-    """Each choice's last chunk (its token counts), from its (text, last chunk)."""
-    return [last for _, last in results]
-
-
-async def _cut_and_echoed(first, rest, params: GenerateParams, echo: str, keep_stop: bool):
-    """A started choice with its stop strings cut and the echoed prompt before its text."""
-    if not (params.stop or echo):
-        return first, rest
-    stream = _chained(first, rest)
-    if params.stop:
-        stream = cut_stream(stream, params.stop, keep_stop)
-    first = await stream.__anext__()  # the chunk already received: no wait
-    return dataclasses.replace(first, text=echo + first.text), stream
-
-
-async def _chained(first, rest):
-    try:
-        yield first
-        async for chunk in rest:
-            yield chunk
-    finally:
-        await rest.aclose()
+def _usage(streams: list[AnswerStream]) -> Usage:
+    return Usage.of([stream.latest for stream in streams])
 
 
 async def _gather(awaitables):
@@ -366,15 +314,13 @@ async def _gather(awaitables):
     return results
 
 
-async def _start_all(backend: Backend, model: ModelConfig, params: list[GenerateParams]):
-    """Every prompt's first chunk (errors become the HTTP status) and its rest."""
-    started = await asyncio.gather(
-        *(backend.start(model, p) for p in params), return_exceptions=True
-    )
+async def _start_all(starting) -> list[AnswerStream]:
+    """Every choice started (errors become the HTTP status: the others are closed)."""
+    started = await asyncio.gather(*starting, return_exceptions=True)
     failures = [s for s in started if isinstance(s, BaseException)]
     if failures:
-        for item in started:
-            if not isinstance(item, BaseException):
-                await item[1].aclose()
+        for stream in started:
+            if not isinstance(stream, BaseException):
+                await stream.aclose()
         raise failures[0]
     return started

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 import uuid
 
+from serve.api.common.answer import Answer
 from serve.api.common.errors import APIError, TooLarge
-from serve.api.openai.answer import Answer
 from serve.api.openai.prepare import ChatTurn
 from serve.api.openai.responses.schemas import ResponsesRequest
 from serve.api.openai.responses.shapes import (

@@ -2,9 +2,9 @@
 /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
 
 A response is one chat turn on the path every chat-shaped API shares
-(:func:`serve.api.openai.prepare.chat_turn`, :mod:`serve.api.openai.answer`): its input items become
-chat messages, its function tools and ``text.format`` the same guides as chat's. With
-``store`` (OpenAI's default) the response and its conversation go to the operator's
+(:func:`serve.api.openai.prepare.chat_turn`, :mod:`serve.api.common.answer`): its input
+items become chat messages, its function tools and ``text.format`` the same guides as
+chat's. With ``store`` (OpenAI's default) the response and its conversation go to the operator's
 response store (:mod:`serve.api.openai.responses.store`), where ``previous_response_id``
 finds them: the next turn's prompt is that conversation, then the new input. What one
 API key stores only that key reads, chains from or deletes; to any other it is the
@@ -20,13 +20,11 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import ValidationError
 
+from serve.api.common.answer import start_answer, whole_answer
 from serve.api.common.auth import key_owner, require_api_key
 from serve.api.common.errors import APIError, NotFound
 from serve.api.common.sse import EventStream, json_response
-from serve.api.openai.answer import (
-    start_answer,
-    whole_answer,
-)
+from serve.api.openai.log_probs import chat_entries
 from serve.api.openai.prepare import BackendDep, chat_turn, guided
 from serve.api.openai.responses.draft import Draft, output_items, save
 from serve.api.openai.responses.input_items import input_items, page, with_ids
@@ -35,7 +33,7 @@ from serve.api.openai.responses.schemas import (
     dump_items,
 )
 from serve.api.openai.responses.store import OwnedStore, ResponseStore
-from serve.api.openai.responses.stream import answer_events
+from serve.api.openai.responses.stream import response_events
 from serve.api.openai.schemas import ChatCompletionRequest
 
 log = logging.getLogger("ray.serve")
@@ -61,10 +59,12 @@ async def create_response(
     try:
         chat = _chat_request(body, conversation)
         turn = await guided(functools.partial(chat_turn, chat, request, backend), chat)
+        params, reading = turn.params[0], turn.reading()
+        log_probs = chat_entries(backend, turn.model, params)
         if body.stream:
-            started = await start_answer(backend, turn)
+            started = await start_answer(backend, turn.model, params, reading)
         else:
-            started = await whole_answer(backend, turn)
+            started = await whole_answer(backend, turn.model, params, reading, log_probs)
     except APIError as error:  # named as this API names the field
         error.param = _renamed(error.param)
         raise
@@ -74,7 +74,7 @@ async def create_response(
         response = draft.finished(started, output_items(started))
         await save(store, draft, response, history)
         return json_response(response)
-    return EventStream(answer_events(store, draft, started, history))
+    return EventStream(response_events(store, draft, started, history, log_probs))
 
 
 @responses_router.get("/v1/responses/{response_id}")

@@ -8,15 +8,17 @@ import logging
 from collections.abc import AsyncIterator
 from typing import get_args
 
-from serve.api.common.errors import APIError, InternalError
-from serve.api.common.sse import one_line
-from serve.api.openai.answer import (
+from serve.api.common.answer import (
     Answer,
     AnswerStream,
     ArgumentsDelta,
     CallStarted,
     ContentDelta,
+    LogProbsOf,
+    answer_events,
 )
+from serve.api.common.errors import APIError, InternalError
+from serve.api.common.sse import one_line
 from serve.api.openai.responses.draft import Draft, call_item, message_item, save, text_part
 from serve.api.openai.responses.shapes import (
     ResponseCompletedEvent,
@@ -139,14 +141,21 @@ def _opening(item: ResponseOutputItem) -> ResponseOutputItem:
     return item.model_copy(update={"arguments": ""})
 
 
-async def answer_events(
-    store: ResponseStore | None, draft: Draft, events: AnswerStream, history: list[dict]
+async def response_events(
+    store: ResponseStore | None,
+    draft: Draft,
+    stream: AnswerStream,
+    history: list[dict],
+    log_probs: LogProbsOf | None = None,
 ) -> AsyncIterator[str]:
+    """The response's events as ``stream`` brings its answer (``log_probs``: a chunk's
+    tokens' as the output text's entries, where the request included them)."""
+    events = answer_events(stream, log_probs)
     emit = _Emitter()
     output = _OpenItems(emit)
-    yield emit(ResponseCreatedEvent, response=draft.snapshot("in_progress", []))
-    yield emit(ResponseInProgressEvent, response=draft.snapshot("in_progress", []))
     try:
+        yield emit(ResponseCreatedEvent, response=draft.snapshot("in_progress", []))
+        yield emit(ResponseInProgressEvent, response=draft.snapshot("in_progress", []))
         async for event in events:
             if isinstance(event, ContentDelta):
                 frames = output.text(event.text, event.log_probs)
@@ -168,6 +177,7 @@ async def answer_events(
             yield frame
     finally:  # done, failed or the client left: the engine's stream is closed
         await events.aclose()
+        await stream.aclose()  # also where the client left before the first step
 
 
 async def _end(
