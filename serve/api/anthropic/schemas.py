@@ -24,7 +24,8 @@ from pydantic import (
     model_validator,
 )
 
-from serve.api.common.structured import FUNCTION_NAME
+from serve.api.common.structured import FUNCTION_NAME, check_tool_choice
+from serve.api.common.unsupported import outsider
 from serve.api.openai.fields import Text
 from serve.api.openai.schemas import (
     ChatCompletionRequest,
@@ -69,22 +70,12 @@ class ToolUseBlockParam(_Strict):
     cache_control: CacheControl | None = None
 
 
-def _outsider(content, allowed: tuple[str, ...]) -> tuple[int, str] | None:
-    """The first block of a list of blocks whose type is not ``allowed``: (index, type)."""
-    for i, block in enumerate(content if isinstance(content, list) else []):
-        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-        if kind not in allowed:
-            return i, kind
-    return None
-
-
 def _text_blocks_only(content):
     """A tool result's content: text blocks only (checked before the union is tried, so
     the client reads this rather than one error per member)."""
-    outsider = _outsider(content, ("text",))
-    if outsider:
+    if found := outsider(content, ("text",)):
         raise ValueError(
-            f"block {outsider[0]} has type {outsider[1]!r}: a tool result's content is "
+            f"block {found[0]} has type {found[1]!r}: a tool result's content is "
             "text only (the model reads text only)"
         )
     return content
@@ -115,9 +106,8 @@ ContentBlockParam = Annotated[
 
 def _known_blocks_only(content):
     """Before the union is tried: an image or a document is a 400 naming the block."""
-    outsider = _outsider(content, _BLOCK_TYPES)
-    if outsider:
-        i, kind = outsider
+    if found := outsider(content, _BLOCK_TYPES):
+        i, kind = found
         why = " (the model reads text only)" if kind in _MEDIA_BLOCKS else ""
         raise ValueError(
             f"content block {i} has type {kind!r}: only text, tool_use and tool_result "
@@ -289,13 +279,10 @@ class _Conversation(_Strict):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_names_a_tool(cls, choice, info: ValidationInfo):
-        tools = info.data.get("tools") or []
-        if choice is None or choice.type == "none":
-            return choice
-        if not tools:
-            raise ValueError("tool_choice is only allowed when tools are given")
-        if choice.type == "tool" and choice.name not in {tool.name for tool in tools}:
-            raise ValueError(f"names {choice.name!r}, which is not one of the tools")
+        tools = {tool.name for tool in info.data.get("tools") or []}
+        calls = choice is not None and choice.type != "none"
+        named = choice.name if calls and choice.type == "tool" else None
+        check_tool_choice(calls, named, tools)
         return choice
 
     @field_validator("thinking", mode="before")

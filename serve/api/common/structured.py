@@ -137,6 +137,17 @@ class NamedToolChoice(_Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+def check_tool_choice(calls: bool, named: str | None, tools: set[str]) -> None:
+    """A tool choice that lets the model call (``calls``) needs tools, and the one it
+    names (``named``) must be one of them; every dialect's rule, in its own shapes."""
+    if not calls:
+        return
+    if not tools:
+        raise ValueError("tool_choice is only allowed when tools are given")
+    if named is not None and named not in tools:
+        raise ValueError(f"names {named!r}, which is not one of the tools")
+
+
 # -- guides ------------------------------------------------------------------------------
 
 

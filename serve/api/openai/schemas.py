@@ -22,7 +22,8 @@ from pydantic import (
     model_validator,
 )
 
-from serve.api.common.structured import ChatTool, NamedToolChoice, ToolChoice
+from serve.api.common.structured import ChatTool, NamedToolChoice, ToolChoice, check_tool_choice
+from serve.api.common.unsupported import outsider
 from serve.api.openai.fields import MAX_TOP_LOG_PROBS, SamplingFields, Text
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -116,15 +117,11 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, content):
-        # Before the union is tried, so the client reads this, not two union errors.
-        if isinstance(content, list):
-            for i, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind != "text":
-                    raise ValueError(
-                        f"content part {i} has type {kind!r}: only text parts are "
-                        "supported (the model reads text only)"
-                    )
+        if found := outsider(content, ("text",)):
+            raise ValueError(
+                f"content part {found[0]} has type {found[1]!r}: only text parts are "
+                "supported (the model reads text only)"
+            )
         return content
 
     @model_validator(mode="after")
@@ -193,13 +190,9 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_names_a_tool(cls, choice, info: ValidationInfo):
-        tools = info.data.get("tools") or []
-        if choice not in (None, "none") and not tools:
-            raise ValueError("tool_choice is only allowed when tools are given")
-        if isinstance(choice, NamedToolChoice):
-            name = choice.function.name
-            if name not in {tool.function.name for tool in tools}:
-                raise ValueError(f"names {name!r}, which is not one of the tools")
+        tools = {tool.function.name for tool in info.data.get("tools") or []}
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        check_tool_choice(choice not in (None, "none"), named, tools)
         return choice
 
     @property

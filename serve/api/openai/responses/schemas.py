@@ -30,6 +30,7 @@ from serve.api.common.structured import (
     JSONObjectFormat,
     TextFormat,
 )
+from serve.api.common.unsupported import outsider
 from serve.api.openai.fields import (
     MAX_TOP_LOG_PROBS,
     Text,
@@ -66,15 +67,11 @@ ContentPart = Annotated[InputText | OutputText | Refusal, Field(discriminator="t
 
 
 def _text_parts_only(content):
-    """Before the union is tried, so the client reads this, not one error per member."""
-    if isinstance(content, list):
-        for i, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind not in ("input_text", "output_text", "refusal"):
-                raise ValueError(
-                    f"content part {i} has type {kind!r}: only text parts are supported "
-                    "(the model reads text only)"
-                )
+    if found := outsider(content, ("input_text", "output_text", "refusal")):
+        raise ValueError(
+            f"content part {found[0]} has type {found[1]!r}: only text parts are supported "
+            "(the model reads text only)"
+        )
     return content
 
 
@@ -127,17 +124,15 @@ def _item_kind(item: Any) -> str | None:
 
 
 def _known_items(items):
-    if isinstance(items, list):
-        for i, item in enumerate(items):
-            kind = _item_kind(item)
-            if kind is None and not isinstance(item, dict):
-                raise ValueError(f"item {i} is a {type(item).__name__}, not an item object")
-            if kind not in ("message", "function_call", "function_call_output"):
-                raise ValueError(
-                    f"item {i} has type {kind!r}: supported are message, function_call "
-                    "and function_call_output"
-                )
-    return items
+    found = outsider(items, ("message", "function_call", "function_call_output"), _item_kind)
+    if found is None:
+        return items
+    i, kind = found
+    if kind is None and not isinstance(items[i], dict):
+        raise ValueError(f"item {i} is a {type(items[i]).__name__}, not an item object")
+    raise ValueError(
+        f"item {i} has type {kind!r}: supported are message, function_call and function_call_output"
+    )
 
 
 InputItem = Annotated[
