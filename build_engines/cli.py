@@ -95,8 +95,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
     p.add_argument("--clean", action="store_true", help="remove everything a build wrote")
-    # Engine options default to None so a build can tell what was given: the torch
-    # target fills the rest from EngineOptions, the trtllm target from its config file.
+    _engine_args(p)
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="build a repository for a pool of variants (model multiplexing) instead: "
+        "one per fine-tuned checkpoint of one base model, repeatable (torch target)",
+    )
+    _embeddings_args(p)
+    _batching_args(p)
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's options. They default to None so a build can tell what was given:
+    the torch target fills the rest from EngineOptions, the trtllm target from its
+    config file."""
     defaults = EngineOptions()
     for flag, kind, text in (
         ("--max-batch-size", int, "sequences the engine runs at once"),
@@ -140,18 +157,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="trtllm target: its settings file (default build_engines/trtllm.yaml)",
     )
-    p.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        metavar="NAME=DIR",
-        help="build a repository for a pool of variants (model multiplexing) instead: "
-        "one per fine-tuned checkpoint of one base model, repeatable (torch target)",
-    )
-    _embeddings_args(p)
-    _batching_args(p)
-    p.add_argument("-v", "--verbose", action="store_true")
-    return p.parse_args(argv)
 
 
 def _embeddings_args(p: argparse.ArgumentParser) -> None:

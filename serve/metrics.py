@@ -101,8 +101,7 @@ class RequestMetrics:
     """The front door's figures (one per ingress replica), by model."""
 
     def __init__(self):
-        self.registry = CollectorRegistry(auto_describe=False)
-        by_model, registry = ("model",), self.registry
+        self.registry = registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter(
             "tritonllm_requests",
             "HTTP requests answered, by model, route and status code (499: client left)",
@@ -132,6 +131,12 @@ class RequestMetrics:
             registry=registry,
             buckets=[0.0, *_LATENCY_BOUNDARIES],
         )
+        self._declare_generation_figures(registry)
+        self._models: dict[str, ModelMetrics] = {}
+
+    def _declare_generation_figures(self, registry: CollectorRegistry) -> None:
+        """Each model's generations: in flight, their latencies, tokens and migrations."""
+        by_model = ("model",)
         self.running = Gauge(
             "tritonllm_requests_running",
             "generations that have streamed their first text and not ended",
@@ -185,7 +190,6 @@ class RequestMetrics:
             ("model", "outcome"),
             registry=registry,
         )
-        self._models: dict[str, ModelMetrics] = {}
 
     def model(self, model: str) -> ModelMetrics:
         """The figures of ``model`` (a configured model id or variant: bounded)."""

@@ -211,15 +211,7 @@ class Engine:
         guide_compile_timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
         self.runner = runner
-        # torch's intra-op thread count is per OS thread (a thread started inside
-        # Triton's Python stub gets 1), so the loop sets its own. Decode is bound by
-        # memory bandwidth and does better leaving a core to Triton's own threads,
-        # the pre/postprocessing models and gRPC; prefill is compute-bound and short
-        # and gets every core. On a small machine that split beats one thread count
-        # for both (make bench-engine BENCH_ARGS='--num-threads N' runs the others).
-        cores = len(os.sched_getaffinity(0))
-        self.decode_threads = num_threads or max(1, cores - 1)
-        self.prefill_threads = num_threads or cores
+        self._set_threads(num_threads)
         self.max_batch_size = max_batch_size
         self.max_queue_size = max_queue_size
         self.max_seq_len = min(
@@ -228,20 +220,7 @@ class Engine:
         self.max_num_tokens = max_num_tokens
         self.chunked_context = enable_chunked_context
         self._observer = observer
-        self._cache = runner.new_cache(max_batch_size, self.max_seq_len)
-        # None: off (a budget of 0, or a runner with no keys and values to keep).
-        self._prefix = (
-            runner.new_prefix_cache(self._cache, prefix_cache_mb, prefix_block_size)
-            if prefix_cache_mb > 0
-            else None
-        )
-        # LoRA adapters (TensorRT-LLM's max_lora_rank, lora_cache_host_memory_bytes);
-        # None: a runner that serves none (the null engine).
-        self._adapters = (
-            runner.new_adapter_cache(max_lora_rank, lora_cache_bytes)
-            if hasattr(runner, "new_adapter_cache")
-            else None
-        )
+        self._make_caches(prefix_cache_mb, prefix_block_size, max_lora_rank, lora_cache_bytes)
         self._pending: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # _running[i].slot == i between steps
         # Ids queued or running (counted: clients may reuse one), so cancel() cannot leak.
@@ -250,7 +229,7 @@ class Engine:
         self._lock = threading.Condition()
         self._stopping = False
         # Guided decoding's compiler, made on the first guided request (XGrammar's import
-        # alone takes ~2 s): from the runner's checkpoint directory, which holds the
+        # alone takes seconds): from the runner's checkpoint directory, which holds the
         # tokenizer, for the logits' width.
         self._guides = guide_compiler
         self._guides_lock = threading.Lock()
@@ -262,6 +241,33 @@ class Engine:
         self._guide_stats = GuideStats()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
+
+    def _set_threads(self, num_threads: int) -> None:
+        """torch's intra-op thread count is per OS thread (a thread started inside
+        Triton's Python stub gets 1), so the loop sets its own. Decode is bound by
+        memory bandwidth and does better leaving a core to Triton's own threads, the
+        pre/postprocessing models and gRPC; prefill is compute-bound and short and gets
+        every core. On a small machine that split beats one thread count for both
+        (make bench-engine BENCH_ARGS='--num-threads N' runs the others)."""
+        cores = len(os.sched_getaffinity(0))
+        self.decode_threads = num_threads or max(1, cores - 1)
+        self.prefill_threads = num_threads or cores
+
+    def _make_caches(
+        self, prefix_cache_mb: float, block_size: int, max_lora_rank: int, lora_bytes: int
+    ) -> None:
+        """The sequences' KV cache, the prefix cache (None: off, a budget of 0 or a
+        runner with no keys and values to keep) and the LoRA adapters' (TensorRT-LLM's
+        max_lora_rank, lora_cache_host_memory_bytes; None: a runner that serves none,
+        the null engine)."""
+        runner = self.runner
+        self._cache = runner.new_cache(self.max_batch_size, self.max_seq_len)
+        self._prefix = None
+        if prefix_cache_mb > 0:
+            self._prefix = runner.new_prefix_cache(self._cache, prefix_cache_mb, block_size)
+        self._adapters = None
+        if hasattr(runner, "new_adapter_cache"):
+            self._adapters = runner.new_adapter_cache(max_lora_rank, lora_bytes)
 
     # -- the API --------------------------------------------------------------
 

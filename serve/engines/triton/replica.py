@@ -98,19 +98,7 @@ class TritonReplica:
         startup = (engine_step,) if engine_step else model.startup_models()
         self.host = host or choose_host(model.triton, startup)
         self._routes: dict[str, Route] = {}  # ensemble -> how its requests go (_route)
-        # Triton's start and the tokenizer's load take seconds each (the tokenizer's,
-        # transformers' import): side by side, off the event loop.
-        loads = [asyncio.to_thread(self.host.start)]
-        if model.task == "generate" and model.triton.pipeline == "replica":
-            # The preprocessing's, where this replica tokenizes itself: shared by every
-            # ensemble (a pool's variants) and, in layout: direct, the API.
-            repository_dir = model.triton.repository_path()
-            loads.append(asyncio.to_thread(repository.load_tokenizer, repository_dir))
-        loaded = await asyncio.gather(*loads, return_exceptions=True)
-        for result in loaded:  # Triton's own reason first, where both failed
-            if isinstance(result, BaseException):
-                raise result
-        self.tokenizer = loaded[1] if len(loaded) > 1 else None
+        self.tokenizer = await self._start_triton_and_tokenizer()
         self._watch = asyncio.create_task(self._exit_with_triton())
         self._metrics = None  # Triton's metrics text, to the app's collector (GET /metrics)
         if metrics_collector is not None:
@@ -119,6 +107,28 @@ class TritonReplica:
         if model.task == "embed":  # texts per Triton request (a longer list is split)
             config = repository.read_config(model.triton.repository_path(), model.entry_model())
             self._embed_batch = max(config.max_batch_size, 1)
+        self._multiplex(model)
+
+    async def _start_triton_and_tokenizer(self):
+        """Triton started; the tokenizer, where this replica tokenizes itself (None where
+        not). Each takes seconds (the tokenizer's load, transformers' import): side by
+        side, off the event loop."""
+        model = self.model
+        loads = [asyncio.to_thread(self.host.start)]
+        if model.task == "generate" and model.triton.pipeline == "replica":
+            # The preprocessing's: shared by every ensemble (a pool's variants) and, in
+            # layout: direct, the API.
+            repository_dir = model.triton.repository_path()
+            loads.append(asyncio.to_thread(repository.load_tokenizer, repository_dir))
+        loaded = await asyncio.gather(*loads, return_exceptions=True)
+        for result in loaded:  # Triton's own reason first, where both failed
+            if isinstance(result, BaseException):
+                raise result
+        return loaded[1] if len(loaded) > 1 else None
+
+    def _multiplex(self, model: ModelConfig) -> None:
+        """Serve's multiplexing of a pool's variants and of LoRA adapters, where the
+        model has them."""
         if model.variants:
 
             async def load(variant: str) -> LoadedVariant:
