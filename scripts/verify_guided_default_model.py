@@ -114,38 +114,47 @@ PLAIN_QUESTIONS = [
 ]
 
 
-def main() -> int:  # noqa: C901 (one measurement after another)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", nargs="?", type=Path, default=DEFAULT_CHECKPOINT)
-    p.add_argument("--samples", type=int, default=6, help="samples per schema / question")
-    p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--show", type=int, default=2, help="example answers printed per section")
-    args = p.parse_args()
+class Sampler:
+    """The checkpoint under transformers, sampling --samples answers at temperature 1.0
+    (no top-k, no top-p) through its chat template, with a grammar where given."""
 
-    import jsonschema
-    import torch
-    import xgrammar as xgr
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from xgrammar.contrib.hf import LogitsProcessor
+    def __init__(self, args: argparse.Namespace):
+        import torch
+        import xgrammar as xgr
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(2)
-    tok = AutoTokenizer.from_pretrained(args.checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
-    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size)
-    compiler = xgr.GrammarCompiler(info)
-    started = time.monotonic()
-    failed = False
+        torch.set_num_threads(2)
+        self.args = args
+        self.tok = AutoTokenizer.from_pretrained(args.checkpoint)
+        self.model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
+        self.model.eval()
+        vocab_size = self.model.config.vocab_size
+        self.compiler = xgr.GrammarCompiler(
+            xgr.TokenizerInfo.from_huggingface(self.tok, vocab_size)
+        )
 
-    def sample(messages, tools=None, grammar=None, seed=0) -> list[tuple[str, bool]]:
+    def tool_grammar(self, tools: list[dict], choice: str):
+        """The qwen_3 structural tag for ``tools`` under ``tool_choice=choice``."""
+        import xgrammar as xgr
+
+        tag = xgr.get_model_structural_tag(
+            "qwen_3", tools=tools, tool_choice=choice, reasoning=False
+        )
+        return self.compiler.compile_structural_tag(tag)
+
+    def sample(self, messages, tools=None, grammar=None, seed=0) -> list[tuple[str, bool]]:
         """--samples answers: (text, ended with EOS)."""
+        import torch
+        from xgrammar.contrib.hf import LogitsProcessor
+
+        tok, args = self.tok, self.args
         prompt = tok.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=True
         )
         ids = tok(prompt, add_special_tokens=False, return_tensors="pt")
         torch.manual_seed(args.seed * 1000 + seed)
         with torch.inference_mode():
-            out = model.generate(
+            out = self.model.generate(
                 **ids,
                 do_sample=True,
                 temperature=1.0,
@@ -164,18 +173,22 @@ def main() -> int:  # noqa: C901 (one measurement after another)
             answers.append((tok.decode(row, skip_special_tokens=True), ended))
         return answers
 
-    def show(title: str, texts: list[str]) -> None:
-        for text in texts[: args.show]:
+    def show(self, title: str, texts: list[str]) -> None:
+        for text in texts[: self.args.show]:
             print(f"    {title}: {text!r}")
 
-    # JSON schemas
+
+def json_schemas(sampler: Sampler) -> bool:
+    """Whether every answer under a JSON schema's grammar ended and validates."""
+    import jsonschema
+
     ok = total = 0
     for i, (what, schema) in enumerate(SCHEMAS):
-        grammar = compiler.compile_json_schema(schema, any_whitespace=False)
+        grammar = sampler.compiler.compile_json_schema(schema, any_whitespace=False)
         messages = [{"role": "user", "content": JSON_PROMPTS[i % len(JSON_PROMPTS)].format(what)}]
         if i % 2:
             messages.insert(0, {"role": "system", "content": "Answer in JSON."})
-        answers = sample(messages, grammar=grammar, seed=i)
+        answers = sampler.sample(messages, grammar=grammar, seed=i)
         for text, ended in answers:
             total += 1
             try:
@@ -185,89 +198,89 @@ def main() -> int:  # noqa: C901 (one measurement after another)
                     print(f"  no EOS ({what}): {text!r}")
             except (ValueError, jsonschema.ValidationError):
                 print(f"  invalid ({what}): {text!r}")
-        if i < args.show:
-            show(what, [t for t, _ in answers])
+        if i < sampler.args.show:
+            sampler.show(what, [t for t, _ in answers])
     print(
         f"JSON schemas: {ok}/{total} answers ended with EOS and validate ({100 * ok / total:.1f}%)"
     )
-    failed |= ok < total
+    return ok == total
 
-    def calls_in(text: str):
-        return [json.loads(m) for m in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.S)]
 
-    def valid_calls(text: str, tools: list[dict]) -> bool:
-        specs = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-        try:
-            calls = calls_in(text)
-        except ValueError:
+def calls_in(text: str) -> list:
+    return [json.loads(m) for m in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.S)]
+
+
+def valid_calls(text: str, tools: list[dict]) -> bool:
+    import jsonschema
+
+    specs = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    try:
+        calls = calls_in(text)
+    except ValueError:
+        return False
+    for call in calls:
+        if set(call) != {"name", "arguments"} or call["name"] not in specs:
             return False
-        for call in calls:
-            if set(call) != {"name", "arguments"} or call["name"] not in specs:
-                return False
-            try:
-                jsonschema.validate(call["arguments"], specs[call["name"]])
-            except jsonschema.ValidationError:
-                return False
-        return bool(calls)
+        try:
+            jsonschema.validate(call["arguments"], specs[call["name"]])
+        except jsonschema.ValidationError:
+            return False
+    return bool(calls)
 
-    # Tool calls, required and auto
-    for choice in ("required", "auto"):
-        ok = total = called = right = 0
-        for i, (tools, question, answer_tool) in enumerate(TOOL_CASES):
-            tag = xgr.get_model_structural_tag(
-                "qwen_3", tools=tools, tool_choice=choice, reasoning=False
-            )
-            grammar = compiler.compile_structural_tag(tag)
-            answers = sample([{"role": "user", "content": question}], tools, grammar, seed=100 + i)
-            for text, ended in answers:
-                total += 1
-                if "<tool_call>" not in text:
-                    ok += ended and choice == "auto"
-                    continue
-                called += 1
-                good = ended and valid_calls(text, tools)
-                ok += good
-                right += good and calls_in(text)[0]["name"] == answer_tool
-                if not good:
-                    print(f"  bad call ({choice}, {question}): {text!r} ended={ended}")
-            if i < args.show:
-                show(question, [t for t, _ in answers])
-        print(
-            f"tool_choice={choice}: {ok}/{total} answers ended with EOS and parse; "
-            f"{called}/{total} ({100 * called / total:.1f}%) call a tool, "
-            f"{right} the one the question asks for"
-        )
-        failed |= ok < total
 
-    # Plain questions: no tools listed, then tools that do not fit.
-    for label, tools in (("no tools", None), ("unfitting tools", [ALARM, BOOKS])):
-        plain = ended_n = total = 0
-        grammar = None
-        if tools:
-            tag = xgr.get_model_structural_tag(
-                "qwen_3", tools=tools, tool_choice="auto", reasoning=False
-            )
-            grammar = compiler.compile_structural_tag(tag)
-        examples = []
-        for i, question in enumerate(PLAIN_QUESTIONS):
-            for text, ended in sample(
-                [{"role": "user", "content": question}], tools, grammar, seed=200 + i
-            ):
-                total += 1
-                plain += "<tool_call>" not in text
-                ended_n += ended
-                examples.append(text)
-        show(label, examples)
-        print(
-            f"plain questions, {label}: {plain}/{total} ({100 * plain / total:.1f}%) answered in "
-            f"plain text, {ended_n}/{total} ended with EOS"
-        )
+def tool_calls(sampler: Sampler, choice: str) -> bool:
+    """Whether every answer under ``tool_choice=choice`` ended and (where it called)
+    parses as calls of listed tools with valid arguments."""
+    ok = total = called = right = 0
+    for i, (tools, question, answer_tool) in enumerate(TOOL_CASES):
+        grammar = sampler.tool_grammar(tools, choice)
+        answers = sampler.sample([{"role": "user", "content": question}], tools, grammar, 100 + i)
+        for text, ended in answers:
+            total += 1
+            if "<tool_call>" not in text:
+                ok += ended and choice == "auto"
+                continue
+            called += 1
+            good = ended and valid_calls(text, tools)
+            ok += good
+            right += good and calls_in(text)[0]["name"] == answer_tool
+            if not good:
+                print(f"  bad call ({choice}, {question}): {text!r} ended={ended}")
+        if i < sampler.args.show:
+            sampler.show(question, [t for t, _ in answers])
+    print(
+        f"tool_choice={choice}: {ok}/{total} answers ended with EOS and parse; "
+        f"{called}/{total} ({100 * called / total:.1f}%) call a tool, "
+        f"{right} the one the question asks for"
+    )
+    return ok == total
 
-    # Without a grammar: does the model write JSON when asked for it on its own?
+
+def plain_questions(sampler: Sampler, label: str, tools: list[dict] | None) -> None:
+    """How often questions no tool answers get plain text, with ``tools`` listed."""
+    plain = ended_n = total = 0
+    grammar = sampler.tool_grammar(tools, "auto") if tools else None
+    examples = []
+    for i, question in enumerate(PLAIN_QUESTIONS):
+        messages = [{"role": "user", "content": question}]
+        for text, ended in sampler.sample(messages, tools, grammar, seed=200 + i):
+            total += 1
+            plain += "<tool_call>" not in text
+            ended_n += ended
+            examples.append(text)
+    sampler.show(label, examples)
+    print(
+        f"plain questions, {label}: {plain}/{total} ({100 * plain / total:.1f}%) answered in "
+        f"plain text, {ended_n}/{total} ended with EOS"
+    )
+
+
+def unconstrained_json(sampler: Sampler) -> None:
+    """Without a grammar: does the model write JSON when asked for it on its own?"""
     parsed = total = 0
     for i, (what, _schema) in enumerate(SCHEMAS):
         question = JSON_PROMPTS[i % len(JSON_PROMPTS)].format(what)
-        for text, ended in sample([{"role": "user", "content": question}], seed=300 + i):
+        for text, ended in sampler.sample([{"role": "user", "content": question}], seed=300 + i):
             total += 1
             try:
                 json.loads(text)
@@ -277,8 +290,25 @@ def main() -> int:  # noqa: C901 (one measurement after another)
     print(
         f"unconstrained JSON requests: {parsed}/{total} ({100 * parsed / total:.1f}%) parse as JSON"
     )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", nargs="?", type=Path, default=DEFAULT_CHECKPOINT)
+    p.add_argument("--samples", type=int, default=6, help="samples per schema / question")
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--show", type=int, default=2, help="example answers printed per section")
+    sampler = Sampler(p.parse_args())
+    started = time.monotonic()
+    passed = json_schemas(sampler)
+    passed &= tool_calls(sampler, "required")
+    passed &= tool_calls(sampler, "auto")
+    plain_questions(sampler, "no tools", None)
+    plain_questions(sampler, "unfitting tools", [ALARM, BOOKS])
+    unconstrained_json(sampler)
     print(f"({time.monotonic() - started:.0f} s)")
-    return 1 if failed else 0
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
