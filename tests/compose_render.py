@@ -4,7 +4,7 @@ What the tests need of Compose's semantics: YAML merge keys (``<<``), variable
 interpolation (``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``, ``${VAR:?error}``,
 ``${VAR?error}``, ``$$``), profiles (a service with profiles runs only when one is
 active), and relative bind-mount sources resolved against the compose file's folder.
-Where a compose CLI exists, tests/unit/test_docker.py also runs the real one.
+Where a compose CLI exists, tests/unit/serve/test_docker.py also runs the real one.
 """
 
 from __future__ import annotations

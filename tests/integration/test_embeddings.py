@@ -17,7 +17,7 @@ from build_engines.embeddings import EmbeddingsOptions
 from serve.engines.triton.client import infer_inputs
 from serve.engines.triton.sidecar import SidecarHost
 from serve.generation import GenerationError
-from tests.unit.test_embeddings import SENTENCES, cosine
+from tests.unit.tritonllm.test_embeddings import SENTENCES, cosine
 from tritonllm import contract
 
 pytestmark = pytest.mark.integration

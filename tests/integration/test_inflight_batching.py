@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 from serve.engines.triton.client import Stream, ensemble_values, generate
 from tests.integration.repositories import repository_with_limits
 from tests.reference import hf_greedy
-from tests.unit.test_engine import SIXTEEN_PROMPTS
+from tests.unit.tritonllm.engine.test_engine import SIXTEEN_PROMPTS
 from tritonllm import contract
 
 pytestmark = pytest.mark.integration

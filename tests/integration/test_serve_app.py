@@ -22,7 +22,7 @@ from tests import aiperf_env, lm_eval_env, lm_eval_harness
 from tests.conftest import ROOT
 from tests.integration.abandon import IDLE_WITHIN_S, SHORT_WITHIN_S, abandon_then_serve
 from tests.integration.repositories import repository_with_limits
-from tests.unit.test_embeddings import SENTENCES, cosine
+from tests.unit.tritonllm.test_embeddings import SENTENCES, cosine
 
 # quiet: the engine freed within seconds of a client leaving is a time bound.
 pytestmark = [pytest.mark.integration, pytest.mark.quiet]

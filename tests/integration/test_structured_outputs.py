@@ -18,7 +18,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.unit.test_engine_guided import slow_regex
+from tests.unit.tritonllm.engine.test_engine_guided import slow_regex
 
 pytestmark = pytest.mark.integration
 MODEL = "tritonllm-default"

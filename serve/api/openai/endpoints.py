@@ -203,7 +203,7 @@ class ChunkEvents:
     """The SSE events of one stream's chunks. Every chunk of a stream has the same id,
     time, model and object: they are serialized once, and each event serializes only its
     choices and usage: a token's event costs less than dumping the whole chunk model,
-    whose bytes it repeats (tests/unit/test_openai_wire.py checks that)."""
+    whose bytes it repeats (tests/unit/serve/api/openai/test_openai_wire.py checks that)."""
 
     def __init__(self, endpoint: Endpoint, head: dict[str, Any]):
         empty = sse(endpoint.chunk(head, []))  # 'data: {"id":...,"choices":[]}\n\n'

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import REPOSITORY
-from tests.unit.test_engine import CollectingSink
+from tests.unit.tritonllm.engine.test_engine import CollectingSink
 from tritonllm.engine.request import GenerationRequest
 from tritonllm.engine.runner import CausalLMRunner
 from tritonllm.engine.sampling import SamplingParams

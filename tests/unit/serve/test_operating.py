@@ -15,7 +15,7 @@ from serve import app
 from serve.config import AppConfig, DeploymentOptions, ModelConfig
 from tests import compose_render
 from tests.conftest import ROOT
-from tests.unit.test_docker import ENV, HEAD_SCRIPT, stub_node, wait_for_line
+from tests.unit.serve.test_docker import ENV, HEAD_SCRIPT, stub_node, wait_for_line
 
 KUBERAY = ROOT / "docker" / "kuberay"
 GPU_DOCKERFILE = ROOT / "docker" / "Dockerfile.gpu"

@@ -15,8 +15,8 @@ import time
 import jsonschema
 import pytest
 
-from tests.unit.test_engine import DTYPE, CollectingSink, request
-from tests.unit.test_guided import tool_tag
+from tests.unit.tritonllm.engine.test_engine import DTYPE, CollectingSink, request
+from tests.unit.tritonllm.test_guided import tool_tag
 from tritonllm.engine.runner import CausalLMRunner
 from tritonllm.engine.sampling import SamplingParams
 from tritonllm.engine.scheduler import Engine

@@ -24,7 +24,7 @@ from bench.structured import (
     response_format,
     wide_schema,
 )
-from tests.unit.test_bench_serving import FakeResponse
+from tests.unit.bench.test_bench_serving import FakeResponse
 
 
 def test_the_prompts_vary_and_repeat_for_a_seed():

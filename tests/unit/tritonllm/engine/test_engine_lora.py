@@ -10,7 +10,7 @@ import pytest
 
 from tests.lora_adapters import SPECS, make_adapter, make_adapters, other_base
 from tests.reference import hf_greedy
-from tests.unit.test_engine import DTYPE, CollectingSink, request
+from tests.unit.tritonllm.engine.test_engine import DTYPE, CollectingSink, request
 from tritonllm import contract
 from tritonllm.engine.runner import CausalLMRunner
 from tritonllm.engine.scheduler import Engine, EngineBusy

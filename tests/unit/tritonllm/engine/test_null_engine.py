@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.unit.test_engine import CollectingSink
+from tests.unit.tritonllm.engine.test_engine import CollectingSink
 from tritonllm.engine.null_engine import NullRunner
 from tritonllm.engine.request import GenerationRequest
 from tritonllm.engine.sampling import SamplingParams

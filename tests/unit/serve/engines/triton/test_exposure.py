@@ -16,7 +16,7 @@ from serve.engines.triton.launcher import free_port
 from serve.launch import OPEN_API_ENV, is_loopback, open_api_refusal
 from tests.conftest import ROOT
 from tests.processes import listeners
-from tests.unit.test_install import _alive, start_haproxy
+from tests.unit.serve.engines.triton.test_install import _alive, start_haproxy
 
 CONFIG = ROOT / "serve" / "config.yaml"
 

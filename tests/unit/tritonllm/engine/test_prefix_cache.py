@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.reference import hf_greedy
-from tests.unit.test_engine import CollectingSink, RecordingObserver
+from tests.unit.tritonllm.engine.test_engine import CollectingSink, RecordingObserver
 from tritonllm.engine.kv_cache import SlotKVCache
 from tritonllm.engine.prefix_cache import PrefixCache
 from tritonllm.engine.request import GenerationRequest

@@ -20,7 +20,7 @@ from tritonllm.engine.guide_compiles import (
     PendingGuide,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 class GatedCompiler:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.unit.test_engine import DTYPE, CollectingSink
+from tests.unit.tritonllm.engine.test_engine import DTYPE, CollectingSink
 from tritonllm.engine.request import GenerationRequest
 from tritonllm.engine.runner import CausalLMRunner
 from tritonllm.engine.sampling import SamplingParams

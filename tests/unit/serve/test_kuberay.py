@@ -20,7 +20,7 @@ from serve.deploy_config import (
     update_rayservice,
 )
 from tests.conftest import ROOT
-from tests.unit.test_docker import compose, image_ray_version, served_repositories
+from tests.unit.serve.test_docker import compose, image_ray_version, served_repositories
 
 MANIFEST = ROOT / "docker" / "kuberay" / "rayservice.yaml"
 BUILD_JOB = ROOT / "docker" / "kuberay" / "build-job.yaml"
