@@ -117,14 +117,20 @@ class AnswerStream:
         try:
             step = self._step(first, self.reading.echo)
             yield step
-            if step.finish_reason is not None:
-                return
-            async for chunk in rest:
-                step = self._step(chunk)
-                yield step
-                if step.finish_reason is not None:
-                    return
-            self._end(None, self.latest)  # the engine's stream ended without saying why
+            if step.finish_reason is None:
+                async for chunk in rest:
+                    step = self._step(chunk)
+                    yield step
+                    if step.finish_reason is not None:
+                        break
+            if self.answer is None:  # the engine's stream ended without saying why
+                self._end(None, self.latest)
+            elif not (self._cutter and self._cutter.stopped):
+                # The engine ended the answer: its stream ends by itself now. Closed before
+                # that, the ingress would cancel the replica's call, a round trip for
+                # nothing. (A stop string found here closes it: the engine may go on.)
+                async for _ in rest:
+                    pass
         finally:
             await rest.aclose()
 

@@ -21,18 +21,22 @@ from tests.support.payloads import ASK, CALL, CHAT_WEATHER, MESSAGES_WEATHER, RE
 
 
 class ClosingBackend(ScriptedBackend):
-    """Says which requests' engine streams were closed."""
+    """Says which requests' engine streams were closed before their end, and which ran
+    out by themselves."""
 
     def __init__(self, answer: str, piece: int = 3):
         super().__init__(answer, piece)
         self.closed: list[str] = []
+        self.ran_out: list[str] = []
 
     async def _chunks(self, params):
         try:
             async for chunk in super()._chunks(params):
                 yield chunk
-        finally:
+        except GeneratorExit:
             self.closed.append(params.request_id)
+            raise
+        self.ran_out.append(params.request_id)
 
 
 def http(backend) -> TestClient:
@@ -148,3 +152,26 @@ def test_the_same_text_is_the_same_answer_in_every_api():
         said, call = shaped.content
         assert said.text == "Let me look. " and shaped.stop_reason == "tool_use"
         assert call.input == arguments
+
+
+@pytest.mark.parametrize(
+    "path,body,stop_field",
+    [
+        ("/v1/chat/completions", {"messages": ASK, "max_tokens": 8}, "stop"),
+        ("/v1/completions", {"prompt": "p", "max_tokens": 8}, "stop"),
+        ("/v1/responses", {"input": "weather?"}, None),  # the Responses API has no stops
+        ("/v1/messages", {"messages": ASK, "max_tokens": 8}, "stop_sequences"),
+    ],
+)
+def test_an_answer_the_engine_ended_lets_its_stream_end_by_itself(path, body, stop_field):
+    """Closed before its end, the ingress's stream would cancel the replica's call: a
+    round trip for every request, and a cancelled request in the replica's counts. A
+    stop string found here closes it: the engine stops."""
+    backend = ClosingBackend("one two", piece=2)
+    body = {"model": "llm", "stream": True, **body}
+    with http(backend).stream("POST", path, json=body) as response:
+        assert response.status_code == 200 and '"tw' in response.read().decode()
+    assert (len(backend.ran_out), backend.closed) == (1, [])
+    if stop_field is not None:
+        assert http(backend).post(path, json={**body, stop_field: ["tw"]}).status_code == 200
+        assert (len(backend.ran_out), len(backend.closed)) == (1, 1)
