@@ -277,13 +277,12 @@ async def _events(body: SamplingFields, streams, endpoint: Endpoint, head: dict,
     finished = 0
     failure = None
     try:
-        async for index, step in merge(streams):
-            chunk, delta, finish = step.chunk, step.delta, step.finish_reason
-            if delta or finish or (log_probs and chunk.token_ids):
+        async for index, (text, calls, chunk, finish) in merge(streams):
+            if text or calls or finish or (log_probs and chunk.token_ids):
                 usage = _usage(streams) if body.continuous_usage else None
-                calls = delta.tool_call_deltas() if delta.started or delta.arguments else None
+                calls = calls and calls.tool_call_deltas()
                 shaped = log_probs and log_probs(index, chunk)
-                choice = endpoint.chunk_choice(index, delta.content, finish, shaped, calls)
+                choice = endpoint.chunk_choice(index, text, finish, shaped, calls)
                 held.append(event([choice], usage))
             finished += finish is not None
             if held and finished < len(streams):  # else the stream's end follows at once

@@ -53,7 +53,7 @@ def read(backend, reading: Reading) -> tuple:
         stream = await start_answer(backend, model, params, reading)
         steps = [step async for step in stream]
         assert [s.finish_reason is not None for s in steps] == [False] * (len(steps) - 1) + [True]
-        return whole, stream.answer, "".join(step.delta.content for step in steps)
+        return whole, stream.answer, "".join(step.text for step in steps)
 
     return asyncio.run(both())
 

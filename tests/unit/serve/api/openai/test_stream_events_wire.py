@@ -1,6 +1,6 @@
 """The exact JSON of the stream events of Anthropic's Messages API and OpenAI's Responses
-API, key for key, as tests/unit/serve/api/openai/test_openai_wire.py pins chat's: which keys are null,
-which are left out, in which order. Their models (serve/api/anthropic/shapes.py,
+API, key for key, as tests/unit/serve/api/openai/test_openai_wire.py pins chat's: which
+keys are null, which are left out, in which order. Their models (serve/api/anthropic/shapes.py,
 serve/api/openai/responses/shapes.py) must not change these bytes unnoticed."""
 
 from __future__ import annotations
