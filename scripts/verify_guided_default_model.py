@@ -129,9 +129,8 @@ class Sampler:
         self.model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
         self.model.eval()
         vocab_size = self.model.config.vocab_size
-        self.compiler = xgr.GrammarCompiler(
-            xgr.TokenizerInfo.from_huggingface(self.tok, vocab_size)
-        )
+        info = xgr.TokenizerInfo.from_huggingface(self.tok, vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(info)
 
     def tool_grammar(self, tools: list[dict], choice: str):
         """The qwen_3 structural tag for ``tools`` under ``tool_choice=choice``."""
