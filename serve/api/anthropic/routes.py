@@ -51,8 +51,6 @@ from serve.api.common.answer import (
     ContentDelta,
     Event,
     answer_events,
-    start_answer,
-    whole_answer,
 )
 from serve.api.common.auth import require_messages_api_key
 from serve.api.common.errors import MESSAGES_PATH, APIError, InternalError, anthropic_body
@@ -71,9 +69,9 @@ async def create_message(body: MessagesRequest, request: Request, backend: Backe
     turn = await guided(functools.partial(chat_turn, chat, request, backend), chat)
     message_id = f"msg_{uuid.uuid4().hex}"
     if not body.stream:
-        answer = await whole_answer(backend, turn.model, turn.params[0], turn.reading())
+        answer = await turn.whole_answer(backend)
         return JSONResponse(_message(message_id, turn.served, answer).model_dump())
-    stream = await start_answer(backend, turn.model, turn.params[0], turn.reading())
+    stream = await turn.start_answer(backend)
     return EventStream(_stream(message_id, turn.served, stream))
 
 

@@ -16,7 +16,14 @@ from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 
-from serve.api.common.answer import Reading
+from serve.api.common.answer import (
+    Answer,
+    AnswerStream,
+    LogProbsOf,
+    Reading,
+    start_answer,
+    whole_answer,
+)
 from serve.api.common.auth import caller
 from serve.api.common.backend import Backend
 from serve.api.common.errors import APIError, NotFound
@@ -190,6 +197,14 @@ class ChatTurn:
     def reading(self, keep_stop: bool = False) -> Reading:
         """How each choice's text is read: cut at the stop strings, calls taken out."""
         return Reading(self.params[0].stop, self.syntax, keep_stop)
+
+    async def whole_answer(self, backend: Backend, log_probs: LogProbsOf | None = None) -> Answer:
+        """The one choice's answer, whole (the Responses and Messages APIs ask for one)."""
+        return await whole_answer(backend, self.model, self.params[0], self.reading(), log_probs)
+
+    async def start_answer(self, backend: Backend) -> AnswerStream:
+        """The one choice's answer, started."""
+        return await start_answer(backend, self.model, self.params[0], self.reading())
 
 
 async def guided(prepare: Callable[[], T], body: SamplingFields) -> T:

@@ -4,11 +4,11 @@
 A response is one chat turn on the path every chat-shaped API shares
 (:func:`serve.api.openai.prepare.chat_turn`, :mod:`serve.api.common.answer`): its input
 items become chat messages, its function tools and ``text.format`` the same guides as
-chat's. With ``store`` (OpenAI's default) the response and its conversation go to the operator's
-response store (:mod:`serve.api.openai.responses.store`), where ``previous_response_id``
-finds them: the next turn's prompt is that conversation, then the new input. What one
-API key stores only that key reads, chains from or deletes; to any other it is the
-same 404 as an id never stored.
+chat's. With ``store`` (OpenAI's default) the response and its conversation go to the
+operator's response store (:mod:`serve.api.openai.responses.store`), where
+``previous_response_id`` finds them: the next turn's prompt is that conversation, then
+the new input. What one API key stores only that key reads, chains from or deletes; to
+any other it is the same 404 as an id never stored.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import ValidationError
 
-from serve.api.common.answer import start_answer, whole_answer
 from serve.api.common.auth import key_owner, require_api_key
 from serve.api.common.errors import APIError, NotFound
 from serve.api.common.sse import EventStream, json_response
@@ -59,12 +58,11 @@ async def create_response(
     try:
         chat = _chat_request(body, conversation)
         turn = await guided(functools.partial(chat_turn, chat, request, backend), chat)
-        params, reading = turn.params[0], turn.reading()
-        log_probs = chat_entries(backend, turn.model, params)
+        log_probs = chat_entries(backend, turn.model, turn.params[0])
         if body.stream:
-            started = await start_answer(backend, turn.model, params, reading)
+            started = await turn.start_answer(backend)
         else:
-            started = await whole_answer(backend, turn.model, params, reading, log_probs)
+            started = await turn.whole_answer(backend, log_probs)
     except APIError as error:  # named as this API names the field
         error.param = _renamed(error.param)
         raise

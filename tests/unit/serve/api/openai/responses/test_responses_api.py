@@ -12,7 +12,6 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.api.common.answer import start_answer
 from serve.api.common.errors import Overloaded
 from serve.api.common.keyring import Keyring
 from serve.api.http import create_app
@@ -336,7 +335,7 @@ def test_a_stream_its_client_leaves_closes_the_engines_stream():
         backend = ClosingBackend("one two three four", piece=2)
         turn = ChatTurn(backend.config.model("llm"), [GenerateParams("p", 8, request_id="r")], None)
         draft = Draft(ResponsesRequest(model="llm", input="x"), turn, stored=False)
-        stream = await start_answer(backend, turn.model, turn.params[0], turn.reading())
+        stream = await turn.start_answer(backend)
         frames = response_events(backend, draft, stream, [])
         async for frame in frames:
             if "response.output_text.delta" in frame:
