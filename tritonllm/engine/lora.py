@@ -75,8 +75,9 @@ class Adapter:
 
     @property
     def prefix_root(self) -> tuple:
-        """Where its prompts' blocks hang in the prefix cache (apart from the base's)."""
-        return ("lora", self.uid)
+        """Where its prompts' blocks hang in the prefix cache (apart from the base's); its
+        task id names them in the KV cache events (kv_events.lora_of)."""
+        return ("lora", self.uid, self.task_id)
 
 
 class AdapterCache:

@@ -29,10 +29,14 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tritonllm.engine.kv_cache import SlotKVCache
+
+if TYPE_CHECKING:
+    from tritonllm.engine.kv_events import KVEventPublisher
 
 ROOT = 0  # the parent id of a first block of the base model's sequences
 
@@ -61,6 +65,8 @@ class PrefixCache:
         self._blocks: OrderedDict[tuple, _Block] = OrderedDict()  # least recent first
         self._free = list(range(num_blocks))
         self._uids = itertools.count(ROOT + 1)
+        # Told of every block stored and evicted (kv_events.KVEventPublisher), if set.
+        self.events: KVEventPublisher | None = None
 
     @classmethod
     def for_budget(cls, cache: SlotKVCache, budget_mb: float, block_size: int = 16):
@@ -123,6 +129,8 @@ class PrefixCache:
         self._touch(chain)
         if new:
             self._copy_in(cache, slot, new, len(chain) * self.block_size)
+            if self.events is not None:
+                self._tell_stored(chain[-len(new) :], root)
 
     def _split(self, tokens: list[int]):
         size = self.block_size
@@ -133,7 +141,15 @@ class PrefixCache:
         if self._free:
             return self._free.pop()
         _, evicted = self._blocks.popitem(last=False)
+        if self.events is not None:
+            self.events.removed(evicted.uid)
         return evicted.index
+
+    def _tell_stored(self, new: list[_Block], root: Hashable) -> None:
+        """The new blocks are the chain's tail (a block missing makes every block after
+        it new: its key holds the missing one's id)."""
+        parent = new[0].key[0]
+        self.events.stored(parent, [(block.uid, block.key[1]) for block in new], root)
 
     def _touch(self, chain: list[_Block]) -> None:
         """Most recent last, deepest block first: leaves are evicted before the

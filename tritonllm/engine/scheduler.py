@@ -209,7 +209,10 @@ class Engine:
         max_lora_rank: int = 64,
         lora_cache_bytes: int = 256 * 2**20,
         guide_compile_timeout_s: float = DEFAULT_TIMEOUT_S,
+        kv_events_endpoints: str = "",
     ):
+        """``kv_events_endpoints``: "PUB,REPLAY" ZMQ endpoints to publish the prefix
+        cache's KV cache events on (kv_events.py); empty: none published."""
         self.runner = runner
         self._set_threads(num_threads)
         self.max_batch_size = max_batch_size
@@ -221,6 +224,7 @@ class Engine:
         self.chunked_context = enable_chunked_context
         self._observer = observer
         self._make_caches(prefix_cache_mb, prefix_block_size, max_lora_rank, lora_cache_bytes)
+        self.kv_events = self._publish_kv_events(kv_events_endpoints)
         self._pending: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # _running[i].slot == i between steps
         # Ids queued or running (counted: clients may reuse one), so cancel() cannot leak.
@@ -268,6 +272,16 @@ class Engine:
         self._adapters = None
         if hasattr(runner, "new_adapter_cache"):
             self._adapters = runner.new_adapter_cache(max_lora_rank, lora_bytes)
+
+    def _publish_kv_events(self, endpoints: str):
+        """The prefix cache's event publisher (None: no endpoints, or no prefix cache,
+        whose engine holds no block past its request)."""
+        if not endpoints or self._prefix is None:
+            return None
+        from tritonllm.engine.kv_events import publisher_at  # zmq: only where published
+
+        self._prefix.events = publisher_at(endpoints, self._prefix.block_size)
+        return self._prefix.events
 
     # -- the API --------------------------------------------------------------
 
@@ -322,6 +336,8 @@ class Engine:
             self._lock.notify()
         self._thread.join(timeout_s)
         self._compiles.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def _wake(self) -> None:
         with self._lock:
