@@ -147,13 +147,15 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
         options["autoscaling_config"] = autoscaling(model)
     if model.routing == "prefix_aware":
         options["request_router_config"] = prefix_aware_router(model)
+    elif model.routing == "kv_aware":
+        options["request_router_config"] = kv_aware_router(model)
     return {"name": model.deployment_name(), **options}
 
 
-# Ray's PrefixCacheAffinityRouter kept within Serve's multiplexing (serve/routing.py
+# Ray's PrefixCacheAffinityRouter kept within Serve's multiplexing (serve/routing/prefix_aware.py
 # says what Ray's own class gets wrong for variants). It reads the ``prompt`` of the
 # call's first argument: GenerateParams has one.
-PREFIX_AWARE_ROUTER = "serve.routing.VariantPrefixRouter"
+PREFIX_AWARE_ROUTER = "serve.routing.prefix_aware.VariantPrefixRouter"
 
 
 def prefix_aware_router(model: ModelConfig) -> RequestRouterConfig:
@@ -167,6 +169,25 @@ def prefix_aware_router(model: ModelConfig) -> RequestRouterConfig:
             "do_eviction": True,  # at Ray's 400,000 characters
         },
     )
+
+
+def kv_aware_router(model: ModelConfig) -> RequestRouterConfig:
+    """Routing by the engines' KV cache events (serve/routing/kv_aware.py), balancing
+    past one engine batch as prefix_aware does. Replicas report where their events are
+    through Serve's routing stats, polled every 2 s here (Serve's default, 10 s, would
+    leave a new replica out of the index that long)."""
+    return RequestRouterConfig(
+        request_router_class=KV_AWARE_ROUTER,
+        request_router_kwargs={
+            "model": model.id,
+            "repository_dir": str(model.triton.repository_path()),
+            "imbalanced_threshold": _batch_size(model),
+        },
+        request_routing_stats_period_s=2,
+    )
+
+
+KV_AWARE_ROUTER = "serve.routing.kv_aware.KvAwareRouter"
 
 
 # What the engines of one replica may take together: the rest is for activations, CUDA

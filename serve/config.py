@@ -278,13 +278,15 @@ class ModelConfig(_Strict):
         description="LoRA adapters on this base model, found at runtime in "
         "lora.dynamic_lora_loading_path; clients send `<id>:<adapter>` (docs/lora.md)",
     )
-    routing: Literal["default", "prefix_aware"] = Field(
+    routing: Literal["default", "prefix_aware", "kv_aware"] = Field(
         "default",
         description="how Serve picks a replica: default (power of two choices on load), "
-        "or prefix_aware (Ray's PrefixCacheAffinityRouter: the replica that served the "
+        "prefix_aware (Ray's PrefixCacheAffinityRouter: the replica that served the "
         "longest prefix of the prompt, while loads stay within one engine batch of each "
-        "other; in a pool of variants, among the replicas holding the variant; "
-        "docs/prefix-caching.md)",
+        "other; in a pool of variants, among the replicas holding the variant) or "
+        "kv_aware (the replica whose engine holds the longest prefix, from the engines' "
+        "own KV cache events through Dynamo's indexer, loads as prefix_aware; the torch "
+        "engine, no variants; docs/prefix-caching.md)",
     )
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None,
@@ -331,8 +333,13 @@ class ModelConfig(_Strict):
             raise ValueError("variants are served for task: generate only")
         if len(set(self.variants)) != len(self.variants):
             raise ValueError("variant ids must be unique")
-        if self.routing == "prefix_aware" and self.task != "generate":
-            raise ValueError("routing: prefix_aware routes prompts: task generate only")
+        if self.routing != "default" and self.task != "generate":
+            raise ValueError(f"routing: {self.routing} routes prompts: task generate only")
+        if self.routing == "kv_aware" and (self.variants or self.engine != "triton"):
+            raise ValueError(
+                "routing: kv_aware follows one Triton engine per replica (its KV cache "
+                "events); a pool of variants or engine: vllm routes with prefix_aware"
+            )
         return self
 
     @model_validator(mode="after")

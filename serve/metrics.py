@@ -61,6 +61,11 @@ _LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 
 _TOKEN_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
 
 
+# The figures of the request routers in this process (serve/routing/kv_aware.py): Serve
+# runs a model's router in each process that holds a handle to it, the ingress here.
+ROUTING_REGISTRY = CollectorRegistry(auto_describe=False)
+
+
 class ModelMetrics:
     """One model's figures, bound to its label once (a labelled lookup per chunk would
     cost a dict lookup and a lock more): what a generation records as it goes."""
@@ -217,7 +222,7 @@ class RequestMetrics:
     def text(self) -> str:
         """This registry's Prometheus text, without the ``<name>_created`` gauges that
         ``prometheus_client`` adds to it (creation times, not figures)."""
-        text = generate_latest(self.registry).decode()
+        text = generate_latest(self.registry).decode() + generate_latest(ROUTING_REGISTRY).decode()
         return "".join(line for line in text.splitlines(True) if not _CREATED.match(line))
 
 

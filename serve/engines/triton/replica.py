@@ -17,6 +17,7 @@ from serve.adapters import Adapter, read_adapter
 from serve.config import ModelConfig
 from serve.engines.triton import repository
 from serve.engines.triton.host import TritonHost
+from serve.engines.triton.kv_events import KvEventEndpoints
 from serve.engines.triton.requests import AdapterInputs, EnsembleRoute, Route
 from serve.engines.triton.select import choose_host
 from serve.engines.triton.steps import ReplicaSteps, StepsUnsupported, read_steps
@@ -98,6 +99,9 @@ class TritonReplica:
         startup = (engine_step,) if engine_step else model.startup_models()
         self.host = host or choose_host(model.triton, startup)
         self._routes: dict[str, Route] = {}  # ensemble -> how its requests go (_route)
+        # routing: kv_aware: where its engine publishes (set before Triton starts).
+        self._kv_events = KvEventEndpoints.open(model) if model.routing == "kv_aware" else None
+        self._adapter_task_ids: dict[str, int] = {}  # the adapters loaded, by name
         self.tokenizer = await self._start_triton_and_tokenizer()
         self._watch = asyncio.create_task(self._exit_with_triton())
         self._metrics = None  # Triton's metrics text, to the app's collector (GET /metrics)
@@ -150,6 +154,13 @@ class TritonReplica:
             self._adapter = serve.multiplexed(
                 max_num_models_per_replica=model.lora.max_num_adapters_per_replica
             )(load_adapter)
+
+    def record_routing_stats(self) -> dict:
+        """Serve's routing stats: where the router subscribes to this replica's KV cache
+        events (routing: kv_aware); none otherwise."""
+        if self._kv_events is None:
+            return {}
+        return self._kv_events.routing_stats(self._adapter_task_ids)
 
     def _engine_step_alone(self) -> str | None:
         """The engine step, where it is all this replica's Triton needs to load: the
@@ -266,6 +277,7 @@ class TritonReplica:
         except lora.AdapterError as error:
             log.warning("adapter %s cannot be served: %s", name, error)
             raise GenerationError(f"adapter {name!r}: {error}", GenerationError.INVALID) from None
+        self._adapter_task_ids[name] = adapter.task_id
         log.info(
             "loaded adapter %s (task id %d, rank %d, %d bytes)",
             name,

@@ -86,6 +86,19 @@ def engine_batch_size(repository: Path, engine: str = contract.TENSORRT_LLM) -> 
     return int(value) if value.isdigit() and int(value) > 0 else max(config.max_batch_size, 1)
 
 
+def kv_event_block_size(repository: Path, engine: str = contract.TENSORRT_LLM) -> int | None:
+    """The block size of the KV cache events the engine publishes when told where
+    (tritonllm/engine/kv_events.py): the torch engine's prefix cache's; None for an
+    engine that publishes none (TensorRT-LLM's, the null engine, a cache turned off)."""
+    config = read_config(repository, engine)
+    budget = _parameter(config, "prefix_cache_mb")
+    if _parameter(config, "engine") == "null" or not budget or budget.startswith("${"):
+        return None
+    if float(budget) <= 0:
+        return None
+    return int(_parameter(config, "prefix_cache_block_size") or 16)
+
+
 def kv_cache_fraction(repository: Path, engine: str = contract.TENSORRT_LLM) -> float | None:
     """The share of GPU memory the engine takes for its KV cache when it loads
     (TensorRT-LLM's ``kv_cache_free_gpu_mem_fraction``); None for engines without one."""

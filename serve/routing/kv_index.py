@@ -1,0 +1,229 @@
+"""What routing: kv_aware scores with (serve/routing/kv_aware.py has the why): Dynamo's
+indexer following one model's replicas, the prompt's token ids, the router's figures.
+
+Apart from the router's class because Serve sends that class to its controller
+pickled by value, with the module globals its methods use: a Prometheus metric (its
+lock) cannot travel, so the router imports this module where it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from pathlib import Path
+
+from prometheus_client import Counter, Gauge, Histogram
+from ray.serve._private.common import ReplicaID
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+
+from serve.engines.triton import repository
+from serve.metrics import ROUTING_REGISTRY as REGISTRY
+from tritonllm import tokenization
+
+log = logging.getLogger("ray.serve")
+
+# What a replica advertises in its routing stats (serve/engines/triton/kv_events.py).
+KV_EVENT_METADATA = "kv_event_metadata"
+_TENANT = "default"  # Dynamo's namespace within a model: one per deployment here
+
+# In the ingress process, beside its request metrics (RequestMetrics.text adds them).
+ROUTED = Counter(
+    "tritonllm_kv_router_requests",
+    "Requests routed by routing: kv_aware, by how: overlap (to a replica holding a "
+    "prefix of the prompt), no_overlap (none holds any: by load), imbalanced (queues "
+    "apart: by load), no_index (no indexer or no tokens: by load)",
+    ["model", "how"],
+    registry=REGISTRY,
+)
+PROMPT_TOKENS = Counter(
+    "tritonllm_kv_router_prompt_tokens",
+    "Prompt tokens scored by routing: kv_aware",
+    ["model"],
+    registry=REGISTRY,
+)
+OVERLAP_TOKENS = Counter(
+    "tritonllm_kv_router_overlap_tokens",
+    "Prompt tokens the chosen replica's engine held when routed (hit rate: this over "
+    "tritonllm_kv_router_prompt_tokens)",
+    ["model"],
+    registry=REGISTRY,
+)
+OVERLAP_SHARE = Histogram(
+    "tritonllm_kv_router_overlap_share",
+    "Share of each routed prompt the chosen replica's engine held",
+    ["model"],
+    buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+    registry=REGISTRY,
+)
+WORKERS = Gauge(
+    "tritonllm_kv_router_workers",
+    "Replicas whose KV cache events this router's index follows",
+    ["model"],
+    registry=REGISTRY,
+)
+
+
+def worker_id(replica: ReplicaID) -> int:
+    """The replica's id in the index (Ray Serve LLM's mapping)."""
+    digest = hashlib.blake2b(replica.unique_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class KvIndex:
+    """Dynamo's SelectionService for one model, following its replicas' events."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self._service = _selection_service(model)
+        self._workers: dict[int, dict] = {}  # worker id -> the replica's metadata
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def available(self) -> bool:
+        return self._service is not None
+
+    def follow(self, replicas: list[RunningReplica], loop: asyncio.AbstractEventLoop) -> None:
+        """Subscribe to replicas newly advertising events; drop the ones gone."""
+        advertised = {
+            worker_id(r.replica_id): r.routing_stats[KV_EVENT_METADATA]
+            for r in replicas
+            if KV_EVENT_METADATA in r.routing_stats
+        }
+        for worker in self._workers.keys() - advertised.keys():
+            self.forget(worker, loop)
+        for worker, metadata in advertised.items():
+            known = self._workers.get(worker)
+            self._workers[worker] = metadata  # its adapters may have changed
+            if self._service is not None and (known or {}).get("endpoint") != metadata["endpoint"]:
+                self._run(loop, self._service.upsert_worker(self._worker(worker, metadata)))
+        WORKERS.labels(self.model).set(len(self._workers))
+
+    def forget_replica(self, replica: ReplicaID, loop: asyncio.AbstractEventLoop) -> None:
+        self.forget(worker_id(replica), loop)
+
+    def forget(self, worker: int, loop: asyncio.AbstractEventLoop) -> None:
+        if self._workers.pop(worker, None) is not None and self._service is not None:
+            self._run(loop, self._service.delete_worker(worker))
+            log.info("kv_aware %s: replica's blocks left the index", self.model)
+        WORKERS.labels(self.model).set(len(self._workers))
+
+    def lora_name(self, adapter: str | None) -> str | None:
+        """The name the engines gave the adapter's blocks (its task id)."""
+        if adapter is None:
+            return None
+        for metadata in self._workers.values():
+            if adapter in metadata.get("adapters", {}):
+                return metadata["adapters"][adapter]
+        return None
+
+    async def overlaps(self, token_ids: list[int], lora_name: str | None) -> dict[int, int]:
+        """Each worker's cached tokens of the prompt (absent: none)."""
+        request = {"model_name": self.model, "tenant_id": _TENANT, "token_ids": token_ids}
+        if lora_name is not None:
+            request["lora_name"] = lora_name
+        scores = await self._service.overlap_scores(request)
+        return {
+            w["worker_id"]: w.get("device_blocks", 0) * self._workers[w["worker_id"]]["block_size"]
+            for w in scores["workers"]
+            if w["worker_id"] in self._workers
+        }
+
+    def _worker(self, worker: int, metadata: dict) -> dict:
+        return {
+            "worker_id": worker,
+            "model_name": self.model,
+            "tenant_id": _TENANT,
+            "endpoint": metadata["endpoint"],  # an id to Dynamo: it dials the two below
+            "block_size": metadata["block_size"],
+            "max_num_batched_tokens": metadata["max_num_batched_tokens"],
+            "data_parallel_start_rank": 0,
+            "data_parallel_size": 1,
+            "kv_events_endpoints": {0: metadata["endpoint"]},
+            "replay_endpoint": metadata["replay_endpoint"],
+        }
+
+    def _run(self, loop: asyncio.AbstractEventLoop, awaitable) -> None:
+        async def run():
+            try:
+                await awaitable
+            except Exception as error:  # the index is an optimisation: route on
+                log.warning("kv_aware %s: the index refused a change: %s", self.model, error)
+
+        task = loop.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _selection_service(model: str):
+    try:
+        from dynamo.llm import SelectionService  # noqa: PLC0415 (a 75 MB extension)
+    except ImportError as error:
+        log.warning(
+            "routing: kv_aware for %s routes by load: Dynamo's indexer is not installed "
+            "(pip install ai-dynamo-runtime): %s",
+            model,
+            error,
+        )
+        return None
+    return SelectionService(indexer_threads=1)
+
+
+class PromptTokens:
+    """The token ids the engine reads for a request, tokenized as its preprocessing
+    does (the tokenizer loads on first use)."""
+
+    def __init__(self, repository_dir: str):
+        self._repository = Path(repository_dir)
+        self._tokenizer = None
+        self._add_special_tokens = True
+
+    async def of(self, params) -> list[int]:
+        if params.prompt_token_ids:
+            return list(params.prompt_token_ids)
+        if not params.prompt:
+            return []
+        return await asyncio.to_thread(self._encode, params.prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            self._add_special_tokens = repository.adds_special_tokens(self._repository)
+            self._tokenizer = repository.load_tokenizer(self._repository)
+        return tokenization.encode(self._tokenizer, text, self._add_special_tokens)
+
+
+class KvScorer:
+    """The replicas of a model holding the longest cached prefix of a request."""
+
+    def __init__(self, model: str, repository_dir: str):
+        self.model = model
+        self.index = KvIndex(model)
+        self._prompts = PromptTokens(repository_dir)
+
+    def routed(self, how: str) -> None:
+        ROUTED.labels(self.model, how).inc()
+
+    async def holders(self, candidates: list[RunningReplica], params) -> list[RunningReplica]:
+        """Those of ``candidates`` whose engines hold the longest prefix of the request
+        (``params``, a GenerateParams); none where none holds any, or nothing can say."""
+        token_ids = await self._prompts.of(params) if self.index.available else []
+        if not token_ids:
+            self.routed("no_index")
+            return []
+        chosen, overlap = await self._longest(candidates, token_ids, params.adapter)
+        PROMPT_TOKENS.labels(self.model).inc(len(token_ids))
+        OVERLAP_TOKENS.labels(self.model).inc(overlap)
+        OVERLAP_SHARE.labels(self.model).observe(min(overlap / len(token_ids), 1.0))
+        self.routed("overlap" if chosen else "no_overlap")
+        return chosen
+
+    async def _longest(self, candidates, token_ids, adapter) -> tuple[list[RunningReplica], int]:
+        lora_name = self.index.lora_name(adapter)
+        if adapter is not None and lora_name is None:
+            return [], 0  # no replica has said what it calls the adapter's blocks yet
+        overlaps = await self.index.overlaps(token_ids, lora_name)
+        by_worker = {worker_id(r.replica_id): r for r in candidates}
+        best = max((overlaps.get(w, 0) for w in by_worker), default=0)
+        if best == 0:
+            return [], 0
+        return [r for w, r in by_worker.items() if overlaps.get(w, 0) == best], best
