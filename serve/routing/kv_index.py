@@ -26,6 +26,9 @@ log = logging.getLogger("ray.serve")
 # What a replica advertises in its routing stats (serve/engines/triton/kv_events.py).
 KV_EVENT_METADATA = "kv_event_metadata"
 _TENANT = "default"  # Dynamo's namespace within a model: one per deployment here
+# A prompt of which no engine holds this share is a new prefix (Ray's prefix_aware
+# router's match threshold): it goes where the caches were written least.
+NEW_PREFIX_SHARE = 0.1
 
 # In the ingress process, beside its request metrics (RequestMetrics.text adds them).
 ROUTED = Counter(
@@ -77,6 +80,7 @@ class KvIndex:
         self.model = model
         self._service = _selection_service(model)
         self._workers: dict[int, dict] = {}  # worker id -> the replica's metadata
+        self._booked: set[str] = set()  # the requests whose load Dynamo counts
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -116,6 +120,56 @@ class KvIndex:
             if adapter in metadata.get("adapters", {}):
                 return metadata["adapters"][adapter]
         return None
+
+    def follows(self, worker: int) -> bool:
+        """Whether the index has the worker's events (none without Dynamo's wheel)."""
+        return self._service is not None and worker in self._workers
+
+    async def select_and_book(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        lora_name: str | None,
+        workers: list[int],
+        max_tokens: int,
+        scoring: dict,
+    ) -> dict:
+        """Dynamo's choice among ``workers`` (``worker_id``, ``isl_tokens``,
+        ``effective_prefill_tokens``: the prompt's tokens the chosen engine lacks), its
+        load booked under ``request_id``. A request Serve routes again (its replica
+        refused it) is booked once."""
+        if request_id in self._booked:
+            await self._free(request_id)
+        request = {
+            "model_name": self.model,
+            "tenant_id": _TENANT,
+            "selection_id": request_id,
+            "token_ids": token_ids,
+            "allowed_worker_ids": workers,
+            "expected_output_tokens": max_tokens,
+            "router_config_override": scoring,
+        }
+        if lora_name is not None:
+            request["lora_name"] = lora_name
+        selection = await self._service.select_and_reserve(request)
+        self._booked.add(request_id)
+        return selection
+
+    def unbook(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        """The request completed: its load leaves its replica's. Thread-safe: Serve
+        reports a completion from the thread its result's callback runs on."""
+        loop.call_soon_threadsafe(self._unbook_here, request_id, loop)
+
+    def _unbook_here(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        if request_id in self._booked:
+            self._run(loop, self._free(request_id))
+
+    async def _free(self, request_id: str) -> None:
+        self._booked.discard(request_id)
+        try:
+            await self._service.free_reservation(request_id)
+        except Exception:  # noqa: BLE001 (gone with its worker, which freed its load)
+            log.debug("kv_aware %s: reservation %s already freed", self.model, request_id)
 
     async def overlaps(self, token_ids: list[int], lora_name: str | None) -> dict[int, int]:
         """Each worker's cached tokens of the prompt (absent: none)."""
@@ -193,37 +247,68 @@ class PromptTokens:
 
 
 class KvScorer:
-    """The replicas of a model holding the longest cached prefix of a request."""
+    """Chooses a model's replica for a request with Dynamo's scheduler: the fewest
+    blocks to prefill (the prompt's, less what the replica's engine holds) plus the
+    replica's load (the blocks of the requests this router sent it, booked until each
+    completes)."""
 
-    def __init__(self, model: str, repository_dir: str):
+    def __init__(self, model: str, repository_dir: str, overlap_score_weight: float = 4.0):
         self.model = model
         self.index = KvIndex(model)
         self._prompts = PromptTokens(repository_dir)
+        self._weight = {"overlap_score_weight": overlap_score_weight}
+        self._written: dict[int, int] = {}  # worker -> new prompt tokens sent to its engine
+        self._warned: set[str] = set()
 
     def routed(self, how: str) -> None:
         ROUTED.labels(self.model, how).inc()
 
-    async def holders(self, candidates: list[RunningReplica], params) -> list[RunningReplica]:
-        """Those of ``candidates`` whose engines hold the longest prefix of the request
-        (``params``, a GenerateParams); none where none holds any, or nothing can say."""
-        token_ids = await self._prompts.of(params) if self.index.available else []
+    async def choose(self, candidates: list[RunningReplica], params, request_id: str):
+        """The replica for the request (``params``, a GenerateParams), its load booked
+        under ``request_id`` until :meth:`release`; None where nothing can say (no
+        indexer, no tokens, no candidate in the index, an adapter no replica named)."""
+        by_worker = {worker_id(r.replica_id): r for r in candidates}
+        known = [w for w in by_worker if self.index.follows(w)]
+        lora_name = self.index.lora_name(params.adapter)
+        unnamed = params.adapter is not None and lora_name is None
+        token_ids = await self._prompts.of(params) if known and not unnamed else []
         if not token_ids:
             self.routed("no_index")
-            return []
-        chosen, overlap = await self._longest(candidates, token_ids, params.adapter)
+            return None
+        try:
+            workers = await self._placement(known, token_ids, lora_name)
+            selection = await self.index.select_and_book(
+                request_id, token_ids, lora_name, workers, params.max_tokens, self._weight
+            )
+        except Exception as error:  # noqa: BLE001 (e.g. a replica not subscribed yet: by load)
+            if str(error) not in self._warned:  # once per reason, not per request
+                self._warned.add(str(error))
+                log.warning("kv_aware %s: routing by load: the index says %s", self.model, error)
+            self.routed("no_index")
+            return None
+        chosen = selection["worker_id"]
+        self._written[chosen] = self._written.get(chosen, 0) + selection["effective_prefill_tokens"]
+        overlap = selection["isl_tokens"] - selection["effective_prefill_tokens"]
         PROMPT_TOKENS.labels(self.model).inc(len(token_ids))
         OVERLAP_TOKENS.labels(self.model).inc(overlap)
         OVERLAP_SHARE.labels(self.model).observe(min(overlap / len(token_ids), 1.0))
-        self.routed("overlap" if chosen else "no_overlap")
-        return chosen
+        self.routed("overlap" if overlap else "no_overlap")
+        return by_worker[chosen]
 
-    async def _longest(self, candidates, token_ids, adapter) -> tuple[list[RunningReplica], int]:
-        lora_name = self.index.lora_name(adapter)
-        if adapter is not None and lora_name is None:
-            return [], 0  # no replica has said what it calls the adapter's blocks yet
+    async def _placement(self, known: list[int], token_ids: list[int], lora_name) -> list[int]:
+        """The workers Dynamo chooses among: all of them where an engine holds at least
+        a tenth of the prompt; else the one whose engine was sent the fewest new prompt
+        tokens (its cache written least), so that new prefixes spread over the caches as
+        ``prefix_aware`` spreads them over its smallest trees. (Dynamo would place them
+        by load alone: measured, a replica then gets more conversations than its cache
+        holds, and cycling through them misses every time.)"""
         overlaps = await self.index.overlaps(token_ids, lora_name)
-        by_worker = {worker_id(r.replica_id): r for r in candidates}
-        best = max((overlaps.get(w, 0) for w in by_worker), default=0)
-        if best == 0:
-            return [], 0
-        return [r for w, r in by_worker.items() if overlaps.get(w, 0) == best], best
+        if max(overlaps.get(w, 0) for w in known) >= NEW_PREFIX_SHARE * len(token_ids):
+            return known
+        floor = min(self._written.values(), default=0)
+        for worker in known:  # a new replica starts level with the least written
+            self._written.setdefault(worker, floor)
+        return [min(known, key=self._written.__getitem__)]
+
+    def release(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.index.unbook(request_id, loop)

@@ -44,6 +44,7 @@ def test_kv_aware_routing_is_its_router_balancing_past_one_engine_batch(built_re
         "model": "m",
         "repository_dir": str(built_repository),
         "imbalanced_threshold": 8,  # the built batch size
+        "overlap_score_weight": 4.0,
     }
     assert config.request_routing_stats_period_s == 2
 
@@ -123,6 +124,8 @@ def replica(name: str, pub: int | None = None, replay: int | None = None, adapte
 
 
 def test_the_router_chooses_the_replica_holding_the_prefix_and_forgets_one_gone():
+    """Dynamo's scheduler over two publishing pools: no load booked, the replica holding
+    the prompt; an adapter's prompt, the one holding the adapter's blocks."""
     pytest.importorskip("dynamo.llm")
     asyncio.run(_routes_by_what_engines_hold())
 
@@ -141,6 +144,7 @@ async def _routes_by_what_engines_hold():
     scorer = kv_index.KvScorer("m", "unused: the requests carry token ids")
     try:
         scorer.index.follow(replicas, loop)
+        await asyncio.sleep(0.5)  # subscribed (a later joiner learns at the next batch)
         prompt = tuple(range(1, 13))
         saved(*engines[1][:2], list(prompt))  # b holds the prompt's 3 blocks
         saved(*engines[0][:2], list(prompt), root=LORA_ROOT)  # a holds them for "french"
@@ -148,23 +152,40 @@ async def _routes_by_what_engines_hold():
         await _eventually(service, list(prompt), None, lambda s: s.get(_worker("b")) == 3)
         await _eventually(service, list(prompt), "12345", lambda s: s.get(_worker("a")) == 3)
 
-        base = GenerateParams(prompt="", max_tokens=1, prompt_token_ids=prompt)
-        assert await scorer.holders(replicas, base) == [replicas[1]]
-        french = GenerateParams(prompt="", max_tokens=1, prompt_token_ids=prompt, adapter="french")
-        assert await scorer.holders(replicas, french) == [replicas[0]]
-        unknown = GenerateParams(prompt="", max_tokens=1, prompt_token_ids=prompt, adapter="other")
-        assert await scorer.holders(replicas, unknown) == []
-        resumed = GenerateParams(prompt="", max_tokens=1, prompt_token_ids=(*prompt, 99, 98))
-        assert await scorer.holders(replicas, resumed) == [replicas[1]]  # prompt + answer so far
+        def params(**fields):
+            return GenerateParams(prompt="", max_tokens=4, prompt_token_ids=prompt, **fields)
 
-        scorer.index.follow([replicas[0], replicas[2]], loop)  # b left
+        assert await scorer.choose(replicas, params(), "r1") is replicas[1]
+        assert _active(service) == {_worker("b"): 1}  # booked until Serve says it completed
+        # Serve reports completions from the thread of the result's callback.
+        await asyncio.to_thread(scorer.release, "r1", loop)
+        await asyncio.sleep(0.1)
+        assert _active(service) == {}
+        assert await scorer.choose(replicas, params(adapter="french"), "r2") is replicas[0]
+        assert await scorer.choose(replicas, params(adapter="other"), "r3") is None  # unnamed
+        resumed = GenerateParams(prompt="", max_tokens=4, prompt_token_ids=(*prompt, 99, 98))
+        assert await scorer.choose(replicas, resumed, "r4") is replicas[1]  # prompt + answer
+        assert await scorer.choose([replicas[2]], params(), "r5") is None  # c is not followed
+        # New prefixes go where the fewest new tokens went (a: none yet, b: r4's 2).
+        for first, expected in ((200, 0), (300, 1)):
+            new = GenerateParams(
+                prompt="", max_tokens=4, prompt_token_ids=tuple(range(first, first + 12))
+            )
+            assert await scorer.choose(replicas, new, f"n{first}") is replicas[expected]
+
+        scorer.index.follow([replicas[0], replicas[2]], loop)  # b left, its blocks with it
         await asyncio.sleep(0.2)
-        assert await scorer.holders(replicas, base) == []
         assert _worker("b") not in await scorer.index.overlaps(list(prompt), None)
+        assert await scorer.choose(replicas[:2], params(), "r6") is replicas[0]
     finally:
         for _, _, publisher in engines:
             publisher.close()
         await scorer.index._service.shutdown_async()
+
+
+def _active(service) -> dict[int, int]:
+    (model,) = service.loads()
+    return {w["worker_id"]: w["active_requests"] for w in model["loads"] if w["active_requests"]}
 
 
 def _worker(name: str) -> int:
@@ -184,4 +205,26 @@ def test_without_dynamos_indexer_the_model_routes_by_load(monkeypatch, caplog):
     assert not scorer.index.available
     assert "routes by load" in caplog.text and "ai-dynamo-runtime" in caplog.text
     params = GenerateParams(prompt="", max_tokens=1, prompt_token_ids=(1, 2, 3))
-    assert asyncio.run(scorer.holders([replica("a"), replica("b")], params)) == []
+    assert asyncio.run(scorer.choose([replica("a"), replica("b")], params, "r")) is None
+
+
+def test_an_index_that_cannot_choose_leaves_the_request_to_load(monkeypatch, caplog):
+    """Dynamo refusing (a replica advertised but not subscribed yet, say) routes the
+    request by load and logs why once."""
+    pytest.importorskip("dynamo.llm")
+
+    async def refuse(*args):
+        raise RuntimeError("no schedulable workers are available")
+
+    async def route_twice():
+        scorer = kv_index.KvScorer("m", "unused")
+        scorer.index.follow([replica("a", 1, 2)], asyncio.get_running_loop())
+        monkeypatch.setattr(scorer.index, "select_and_book", refuse)
+        params = GenerateParams(prompt="", max_tokens=1, prompt_token_ids=(1, 2, 3))
+        try:
+            return [await scorer.choose([replica("a", 1, 2)], params, f"r{i}") for i in (1, 2)]
+        finally:
+            await scorer.index._service.shutdown_async()
+
+    assert asyncio.run(route_twice()) == [None, None]
+    assert caplog.text.count("no schedulable workers") == 1

@@ -206,3 +206,29 @@ async def _eventually(service, tokens, lora_name, check, timeout_s=10.0) -> dict
             assert check(scores), scores
             return scores
         await asyncio.sleep(0.1)
+
+
+def test_an_indexer_that_joins_late_gets_what_it_missed_from_the_replay_socket():
+    """A router started after the engine stored blocks (a restarted ingress): the first
+    live batch it sees shows the gap, and the replay fills it."""
+    llm = pytest.importorskip("dynamo.llm")
+    asyncio.run(_late_indexer(llm.SelectionService))
+
+
+async def _late_indexer(selection_service):
+    pub, replay = free_ports(2)
+    publisher = KVEventPublisher(f"tcp://*:{pub}", f"tcp://*:{replay}", BLOCK)
+    prefix, cache = pool(8)
+    prefix.events = publisher
+    early = list(range(1, 13))
+    saved(prefix, cache, early)  # 3 blocks before anyone listens
+    await asyncio.sleep(0.3)
+    service = selection_service(indexer_threads=1)
+    try:
+        await service.upsert_worker(_worker(1, pub, replay))
+        await asyncio.sleep(0.5)
+        saved(prefix, cache, list(range(101, 105)), slot=1)  # the next live batch
+        await _eventually(service, early, None, lambda s: s.get(1) == 3)
+    finally:
+        publisher.close()
+        await service.shutdown_async()
