@@ -1,22 +1,31 @@
 """``make bench-prefix``: prefix caching and prefix-aware routing, side by side.
 
-A chat workload on the ~30M bench model (2,048-token context): ``--conversations``
-conversations, each its own long prefix (``--prefix-words`` words, ~1.3 tokens each)
-and ``--turns`` short turns; round ``t`` sends turn ``t`` of every conversation,
-``--concurrency`` at a time, so between two turns of one conversation every other
-conversation runs once (a replica that sees them all needs them all cached). Each
-replica's cache budget holds about half of the conversations (``--budget-share``).
+Two workloads on the ~30M bench model (2,048-token context), ``--workload``:
 
-Three applications of one ``serve run``, two Triton replicas each: ``off`` (no prefix
-cache), ``on`` (the cache, Serve's default routing), ``routed`` (the cache and
-``routing: prefix_aware``). With ``--chunked-context N``, two more with chunked context
-on and N-token steps: ``off-chunked`` and ``routed-chunked``. Each of
-``--shared-rounds`` rounds measures every system one after the other on fresh
-conversations, the order rotated; the results hold every round and the medians. Then
-a workload with no shared prefix on ``off``, ``on`` (the cache's cost when it never
-hits) and ``off-chunked``, alternated ``--rounds`` times.
-Prefill tokens computed and the hit rate come from the replicas' own Triton metrics.
-Writes ``results.json`` under ``--out`` (docs/bench/prefix.json is one such run).
+- ``conversations``: ``--conversations`` conversations, each its own long prefix
+  (``--prefix-words`` words, ~1.3 tokens each) and ``--turns`` short turns; round ``t``
+  sends turn ``t`` of every conversation, ``--concurrency`` at a time, so between two
+  turns of one conversation every other conversation runs once (a replica that sees
+  them all needs them all cached).
+- ``tenants`` (cache pressure): ``--tenants`` tenants, each its own system prompt of
+  ``--prefix-words`` words, ``--conversations`` conversations on each, ``--turns``
+  turns; round ``t`` sends turn ``t`` of every conversation in a new random order.
+
+Each replica's cache budget holds ``--budget-share`` of the workload's prefixes (the
+conversations', the tenants' system prompts), counted with the model's tokenizer.
+
+The applications of one ``serve run`` (``--systems``), two Triton replicas each:
+``off`` (no prefix cache), ``on`` (the cache, Serve's default routing), ``routed`` (the
+cache and ``routing: prefix_aware``), ``kv`` (the cache and ``routing: kv_aware``).
+With ``--chunked-context N``, two more with chunked context on and N-token steps:
+``off-chunked`` and ``routed-chunked``. Each of ``--shared-rounds`` rounds measures
+every system one after the other on fresh prompts, the order rotated; the results
+hold every round and the medians. Then a workload with no shared prefix on ``off``,
+``on`` (the cache's cost when it never hits) and ``off-chunked``, alternated
+``--rounds`` times. Prefill tokens computed and the hit rate (the prompt tokens
+served from cache: what the API returns as ``usage.prompt_tokens_details.
+cached_tokens``) come from the replicas' own Triton metrics. Writes ``results.json``
+under ``--out`` (docs/bench/prefix.json is one such run).
 """
 
 from __future__ import annotations
@@ -60,9 +69,15 @@ class System:
     cache: bool
     routing: str = "default"
     chunked: bool = False  # chunked context (off: the build's default)
+    overlap_weight: float | None = None  # kv_aware's kv_overlap_score_weight (None: its default)
 
 
-SYSTEMS = {"off": System(False), "on": System(True), "routed": System(True, "prefix_aware")}
+SYSTEMS = {
+    "off": System(False),
+    "on": System(True),
+    "routed": System(True, "prefix_aware"),
+    "kv": System(True, "kv_aware"),
+}
 CHUNKED = {
     "off-chunked": System(False, chunked=True),
     "routed-chunked": System(True, "prefix_aware", chunked=True),
@@ -94,16 +109,62 @@ def conversation_prompts(conversations: int, turns: int, prefix_words: int, seed
     ]
 
 
+def system_named(name: str) -> System:
+    """One of SYSTEMS, or ``kv-wW``: kv_aware with its overlap score weight W."""
+    if name.startswith("kv-w"):
+        return System(True, "kv_aware", overlap_weight=float(name[4:]))
+    return SYSTEMS[name]
+
+
+def tenant_prompts(
+    tenants: int, conversations: int, turns: int, system_words: int, seed: int = 0
+) -> tuple[list[str], list[str]]:
+    """The cache-pressure workload: ``tenants`` system prompts of ``system_words``
+    words, ``conversations`` conversations on each. Round by round, turn t of every
+    conversation, the conversations in a new random order each round (a replica's
+    cache sees every tenant between two turns of one). The prompts, and the tenants'
+    system prompts (what the caches are sized by)."""
+    rng = random.Random(seed)
+    systems = [
+        f"You are tenant {seed}-{t}'s assistant. " + " ".join(rng.choices(WORDS, k=system_words))
+        for t in range(tenants)
+    ]
+    talks = [
+        (systems[t], f"\nConversation {c}: " + " ".join(rng.choices(WORDS, k=12)))
+        for t in range(tenants)
+        for c in range(conversations)
+    ]
+    questions = [[" ".join(rng.choices(WORDS, k=8)) + "?" for _ in range(turns)] for _ in talks]
+    prompts = []
+    for turn in range(turns):
+        order = list(range(len(talks)))
+        rng.shuffle(order)
+        for i in order:
+            system, opening = talks[i]
+            prompts.append(
+                system + opening + "".join(f"\nUser: {q}" for q in questions[i][: turn + 1])
+            )
+    return prompts, systems
+
+
+def workload(args, seed: int) -> tuple[list[str], list[str]]:
+    """``--workload``'s prompts for one round, and the prefixes the caches are sized by."""
+    if args.workload == "tenants":
+        return tenant_prompts(args.tenants, args.conversations, args.turns, args.prefix_words, seed)
+    prompts = conversation_prompts(args.conversations, args.turns, args.prefix_words, seed)
+    return prompts, prompts[: args.conversations]  # every round's first turns are as long
+
+
 def repositories(
-    out: Path, systems: dict[str, System], first_turns: list[str], share: float, step: int
+    out: Path, systems: dict[str, System], prefixes: list[str], share: float, step: int
 ) -> tuple[dict, float]:
     """One build of the bench model, copied per app (each app's Tritons are found by
-    their path): with the cache, a budget that holds ``share`` of the conversations'
+    their path): with the cache, a budget that holds ``share`` of the workload's
     prefixes, counted with the model's tokenizer; with chunked context, ``step``-token
     steps."""
     built = build_bench_repository(out / "build", 8, 0)
     tokenizer = load_tokenizer(str(checkpoint_dir(built)))
-    prefix_tokens = sum(len(tokenizer.encode(t)) for t in first_turns)
+    prefix_tokens = sum(len(tokenizer.encode(t)) for t in prefixes)
     budget_mb = round(share * prefix_tokens * KV_BYTES_PER_TOKEN / 2**20, 1)
     repos = {}
     for app, system in systems.items():
@@ -143,6 +204,8 @@ def serve_config(systems: dict[str, System], repos: dict[str, Path], port: int) 
         deployment["ray_actor_options"] = {"num_cpus": round(0.5 / len(systems), 2)}
         llm = {**model, "triton": {"model_repository": str(repos[name])}}
         llm["routing"] = system.routing
+        if system.overlap_weight is not None:
+            llm["kv_overlap_score_weight"] = system.overlap_weight
         llm["deployment"] = deployment
         args = {**base["args"], "models": [llm]}
         applications.append({**base, "name": name, "route_prefix": f"/{name}", "args": args})
@@ -190,7 +253,7 @@ async def measure(app: str, url: str, repo: Path, prompts, concurrency, output_l
     queried = result["queried_tokens"]
     result["hit_rate"] = result["hit_tokens"] / queried if queried else 0.0
     console.log(
-        f"{app:>7}: TTFT p50 {result['ttft_p50_ms']:.0f} ms p99 {result['ttft_p99_ms']:.0f} ms, "
+        f"{app:>7}: TTFT p50 {result['ttft_p50_ms']:.0f} ms p90 {result['ttft_p90_ms']:.0f} ms, "
         f"{result['output_tokens_per_s']:.1f} tok/s, prefill {result['prefill_tokens']:.0f}, "
         f"hit rate {result['hit_rate']:.2f}, errors {result['errors']}"
     )
@@ -203,7 +266,21 @@ def parse_args(argv):
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument(
+        "--workload",
+        choices=("conversations", "tenants"),
+        default="conversations",
+        help="conversations: each its own prefix; tenants: --tenants system prompts of "
+        "--prefix-words words, --conversations conversations on each (cache pressure)",
+    )
+    p.add_argument("--tenants", type=int, default=12)
+    p.add_argument("--conversations", type=int, default=8, help="per tenant with tenants")
+    p.add_argument(
+        "--systems",
+        default="off,on,routed,kv",
+        help="the applications, of off, on, routed (prefix_aware), kv (kv_aware), kv-wW "
+        "(kv_aware, kv_overlap_score_weight W)",
+    )
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--prefix-words", type=int, default=900, help="~1,200 tokens")
     p.add_argument("--concurrency", type=int, default=4)
@@ -244,9 +321,7 @@ async def run(args, url: str, repos: dict[str, Path]) -> dict:
     shared = []
     apps = list(repos)
     for round_ in range(0 if args.skip_shared else args.shared_rounds):
-        prompts = conversation_prompts(
-            args.conversations, args.turns, args.prefix_words, seed=round_
-        )
+        prompts, _ = workload(args, seed=round_)
         for app in apps[round_ % len(apps) :] + apps[: round_ % len(apps)]:
             result = await measure(app, url, repos[app], prompts, args.concurrency, args.output_len)
             shared.append({**result, "round": round_})
@@ -274,7 +349,8 @@ async def run(args, url: str, repos: dict[str, Path]) -> dict:
 
 def _medians(results: list[dict], apps: list[str]) -> dict[str, dict[str, float]]:
     """Per system, the median over its rounds of each figure of the table."""
-    keys = ("ttft_p50_ms", "ttft_p99_ms", "output_tokens_per_s", "prefill_tokens", "hit_rate")
+    keys = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "output_tokens_per_s")
+    keys += ("prefill_tokens", "hit_rate")
     medians = {}
     for app in apps:
         rounds = [r for r in results if r["system"] == app]
@@ -299,11 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     # command lines, which Serve's config makes absolute.
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    prompts = conversation_prompts(args.conversations, args.turns, args.prefix_words)
-    systems = {**SYSTEMS, **(CHUNKED if args.chunked_context else {})}
-    first_turns = prompts[: args.conversations]  # every round's are about as long
+    _, prefixes = workload(args, seed=0)  # every round's are about as long
+    systems = {name: system_named(name) for name in args.systems.split(",")}
+    systems |= CHUNKED if args.chunked_context else {}
     repos, budget_mb = repositories(
-        args.out, systems, first_turns, args.budget_share, args.chunked_context
+        args.out, systems, prefixes, args.budget_share, args.chunked_context
     )
     config = serve_config(systems, repos, free_port())
     ready = tuple(f"/{app}/v1/models" for app in systems)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.prefix import _median_ratio, _set_parameter
+from bench.prefix import SYSTEMS, _median_ratio, _set_parameter, parse_args, tenant_prompts
 
 
 def test_the_budget_lands_in_the_engine_config(tmp_path):
@@ -40,16 +40,40 @@ def test_each_round_has_its_own_conversations_and_the_table_is_of_medians():
     assert len(first) == 6 and first[2].startswith(first[0])  # turn 2 resends turn 1
     assert not {p[:20] for p in first} & {p[:20] for p in again}  # no block in common
     rounds = [
-        {"system": "off", "ttft_p50_ms": t, "ttft_p99_ms": 1.0, "output_tokens_per_s": 1.0}
+        {"system": "off", "ttft_p50_ms": t, "ttft_p90_ms": 1.0, "ttft_p99_ms": 1.0}
+        | {"output_tokens_per_s": 1.0}
         | {"prefill_tokens": 1.0, "hit_rate": 0.0}
         for t in (300.0, 100.0, 200.0)
     ]
     assert _medians(rounds, ["off", "routed"]) == {
         "off": {
             "ttft_p50_ms": 200.0,
+            "ttft_p90_ms": 1.0,
             "ttft_p99_ms": 1.0,
             "output_tokens_per_s": 1.0,
             "prefill_tokens": 1.0,
             "hit_rate": 0.0,
         }
     }
+
+
+def test_the_tenants_workload_sends_every_conversation_each_round_under_its_system_prompt():
+    prompts, systems = tenant_prompts(tenants=3, conversations=2, turns=3, system_words=50)
+    assert len(systems) == 3 and len(set(systems)) == 3
+    assert len(prompts) == 3 * 2 * 3
+    rounds = [prompts[i * 6 : (i + 1) * 6] for i in range(3)]
+    for turn, round_ in enumerate(rounds):
+        assert all(p.count("\nUser: ") == turn + 1 for p in round_)
+        owners = [next(s for s in systems if p.startswith(s)) for p in round_]
+        assert sorted(owners) == sorted(systems * 2)  # each tenant's two conversations
+    for prompt in rounds[2]:  # a later turn extends the same conversation's earlier ones
+        assert sum(p.startswith(prompt.rsplit("\nUser: ", 1)[0]) for p in rounds[1]) == 1
+    openings = [[p.split("\nUser: ")[0] for p in round_] for round_ in rounds]
+    assert len({tuple(o) for o in openings}) > 1  # each round in its own order
+    other, _ = tenant_prompts(tenants=3, conversations=2, turns=3, system_words=50, seed=1)
+    assert not set(other) & set(prompts)
+
+
+def test_systems_are_chosen_by_name_with_kv_aware_among_them():
+    args = parse_args(["--systems", "on,kv", "--workload", "tenants"])
+    assert args.systems == "on,kv" and SYSTEMS["kv"].routing == "kv_aware"
