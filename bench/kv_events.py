@@ -3,9 +3,8 @@
 - The engine thread, per block its prefix cache stores: ``PrefixCache.save`` of
   ``--prompt-tokens``-token prompts with the event publisher and without it, side by
   side (the publisher's own thread hashes, encodes and sends meanwhile).
-- The router, per request: ``KvScorer.choose`` (the token ids, Dynamo's
-  ``select_and_reserve`` over two replicas whose engines publish) and its ``release``,
-  on the event loop the router runs on.
+- The router, per request: ``KvScorer.choose`` (Dynamo's overlap scores over two
+  replicas whose engines publish, the choice), on an event loop as the router's.
 
 Both alternate the variants ``--rounds`` times and print the medians; the per-token
 figures divide by the answer length of ``make bench-capacity`` (64 tokens).
@@ -53,8 +52,8 @@ def engine_seconds_per_block(prompts: int, prompt_tokens: int, publish: bool) ->
 
 
 async def router_seconds_per_request(requests: int, prompt_tokens: int) -> float:
-    """Event-loop seconds per request of choosing a replica and releasing its load, two
-    replicas' engines publishing and half the prompts cached on one of them."""
+    """Seconds per request of choosing the replicas to route it among, two replicas'
+    engines publishing and half the prompts cached on one of them."""
     scorer = kv_index.KvScorer("bench", "unused: the requests carry token ids")
     loop = asyncio.get_running_loop()
     publishers, replicas = [], []
@@ -72,10 +71,9 @@ async def router_seconds_per_request(requests: int, prompt_tokens: int) -> float
     await asyncio.sleep(1)  # indexed
     try:
         started = time.perf_counter()
-        for i, prompt in enumerate(prompts):
+        for prompt in prompts:
             params = GenerateParams(prompt="", max_tokens=64, prompt_token_ids=prompt)
-            await scorer.choose(replicas, params, f"r{i}")
-            scorer.release(f"r{i}", loop)
+            await scorer.choose(replicas, params)
         return (time.perf_counter() - started) / requests
     finally:
         for publisher in publishers:
@@ -119,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     per_request = 1e6 * statistics.median(router)
     print(f"engine thread per stored block: {off:.1f} us without events, {on:.1f} us with")
     print(f"  each round without: {_us(engine[False])}, with: {_us(engine[True])}")
-    print(f"router per request (choose + release): {per_request:.1f} us, rounds {_us(router)}")
+    print(f"router per request (choose): {per_request:.1f} us, rounds {_us(router)}")
     print(f"  at 64-token answers: {per_request / 64:.2f} us per token")
     return 0
 

@@ -69,7 +69,6 @@ class System:
     cache: bool
     routing: str = "default"
     chunked: bool = False  # chunked context (off: the build's default)
-    overlap_weight: float | None = None  # kv_aware's kv_overlap_score_weight (None: its default)
 
 
 SYSTEMS = {
@@ -107,13 +106,6 @@ def conversation_prompts(conversations: int, turns: int, prefix_words: int, seed
         for t in range(turns)
         for c in range(conversations)
     ]
-
-
-def system_named(name: str) -> System:
-    """One of SYSTEMS, or ``kv-wW``: kv_aware with its overlap score weight W."""
-    if name.startswith("kv-w"):
-        return System(True, "kv_aware", overlap_weight=float(name[4:]))
-    return SYSTEMS[name]
 
 
 def tenant_prompts(
@@ -204,8 +196,6 @@ def serve_config(systems: dict[str, System], repos: dict[str, Path], port: int) 
         deployment["ray_actor_options"] = {"num_cpus": round(0.5 / len(systems), 2)}
         llm = {**model, "triton": {"model_repository": str(repos[name])}}
         llm["routing"] = system.routing
-        if system.overlap_weight is not None:
-            llm["kv_overlap_score_weight"] = system.overlap_weight
         llm["deployment"] = deployment
         args = {**base["args"], "models": [llm]}
         applications.append({**base, "name": name, "route_prefix": f"/{name}", "args": args})
@@ -229,6 +219,23 @@ def triton_counters(repository: Path) -> dict[str, float]:
     return totals
 
 
+ROUTER_PUSH_S = 6  # more than the app's metrics push period
+
+
+async def router_counters(app_url: str) -> dict[str, float]:
+    """The kv_aware router's counters in the app's /metrics (empty: another routing)."""
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"{app_url}/metrics", timeout=10)).text
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("tritonllm_kv_router_") and sample.name.endswith("_total"):
+                key = sample.name.removeprefix("tritonllm_kv_router_").removesuffix("_total")
+                key += f":{sample.labels['how']}" if "how" in sample.labels else ""
+                counts[key] = counts.get(key, 0.0) + sample.value
+    return counts
+
+
 def _tritons(repository: Path) -> list[int]:
     mark = f"--model-repository={repository}".encode()
     pids = []
@@ -244,12 +251,19 @@ def _tritons(repository: Path) -> list[int]:
 async def measure(app: str, url: str, repo: Path, prompts, concurrency, output_len) -> dict:
     target = OpenAITarget(app, f"{url}/{app}", MODEL)
     await run_level(target, make_prompts(2, 20, seed=99), 2, 4)  # connections, first loads
-    before = triton_counters(repo)
+    kv_aware = SYSTEMS.get(app, CHUNKED.get(app)).routing == "kv_aware"
+    if kv_aware:  # the router's figures so far (the ingress pushes them every few s)
+        await asyncio.sleep(ROUTER_PUSH_S)
+    before, routed_before = triton_counters(repo), await router_counters(f"{url}/{app}")
     records, seconds = await run_level(target, prompts, concurrency, output_len)
     after = triton_counters(repo)
     await target.aclose()
     result = {"system": app, **summarize(records, seconds)}
     result.update({k: after[k] - before[k] for k in COUNTERS})
+    if kv_aware:  # how it routed
+        await asyncio.sleep(ROUTER_PUSH_S)
+        routed_after = await router_counters(f"{url}/{app}")
+        result["router"] = {k: v - routed_before.get(k, 0.0) for k, v in routed_after.items()}
     queried = result["queried_tokens"]
     result["hit_rate"] = result["hit_tokens"] / queried if queried else 0.0
     console.log(
@@ -278,8 +292,7 @@ def parse_args(argv):
     p.add_argument(
         "--systems",
         default="off,on,routed,kv",
-        help="the applications, of off, on, routed (prefix_aware), kv (kv_aware), kv-wW "
-        "(kv_aware, kv_overlap_score_weight W)",
+        help="the applications, of off, on, routed (prefix_aware), kv (kv_aware)",
     )
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--prefix-words", type=int, default=900, help="~1,200 tokens")
@@ -376,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     _, prefixes = workload(args, seed=0)  # every round's are about as long
-    systems = {name: system_named(name) for name in args.systems.split(",")}
+    systems = {name: SYSTEMS[name] for name in args.systems.split(",")}
     systems |= CHUNKED if args.chunked_context else {}
     repos, budget_mb = repositories(
         args.out, systems, prefixes, args.budget_share, args.chunked_context

@@ -182,7 +182,6 @@ def kv_aware_router(model: ModelConfig) -> RequestRouterConfig:
             "model": model.id,
             "repository_dir": str(model.triton.repository_path()),
             "imbalanced_threshold": _batch_size(model),
-            "overlap_score_weight": model.kv_overlap_score_weight,
         },
         request_routing_stats_period_s=2,
     )

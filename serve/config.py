@@ -288,15 +288,6 @@ class ModelConfig(_Strict):
         "own KV cache events through Dynamo's indexer, loads as prefix_aware; the torch "
         "engine, no variants; docs/prefix-caching.md)",
     )
-    kv_overlap_score_weight: float = Field(
-        4.0,
-        ge=0,
-        description="routing: kv_aware: what a block the replica's engine holds weighs "
-        "against a block of its load (Dynamo's --kv-overlap-score-weight, whose default "
-        "is 1): higher keeps prompts where their prefixes are (time to first token), "
-        "lower spreads load earlier (inter-token latency); 0 routes by load alone. 4: "
-        "a held prefix outweighs a few requests more in flight (docs/prefix-caching.md)",
-    )
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None,
         description="how the model writes tool calls (vLLM's parser names): hermes "

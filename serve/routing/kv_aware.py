@@ -23,13 +23,15 @@ token ids the engine will read: the client's, a resumed stream's (its prompt and
 it already generated: a moved stream goes where its prefix is) or the prompt text's,
 tokenized off the event loop with the preprocessing's tokenizer.
 
-Dynamo's scheduler chooses (``select_and_reserve``): the replica with the fewest
-blocks to prefill (the prompt's, less what its engine holds) plus its load, the blocks
-of the requests this router sent it, booked until Serve reports each completed
-(``on_request_completed``). Serve's own queue lengths keep a net under it, as in
-``prefix_aware``: while the candidates' queues differ by more than one engine batch,
-power of two choices. Without Dynamo's wheel the model routes by load, and says so
-once.
+Where an engine holds at least a tenth of the prompt, the replicas holding the
+longest prefix are the choice (Serve takes the shorter queue among them); else the
+replica sent the fewest tokens of new prefixes, so that new prefixes spread over the
+caches as ``prefix_aware`` spreads them over its smallest trees. Serve's own
+queue lengths have the last word, as in ``prefix_aware``: while the candidates' queues
+differ by more than one engine batch, power of two choices. (Dynamo's own scheduler,
+``select_and_reserve`` with its load booked per request, was measured here and spread
+``make bench-prefix``'s conversations by load: docs/prefix-caching.md.) Without
+Dynamo's wheel the model routes by load, and says so once.
 """
 
 from __future__ import annotations
@@ -49,16 +51,10 @@ from ray.serve._private.request_router.request_router import (
 class KvAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Serve's request router for ``routing: kv_aware`` (serve/app.py configures it)."""
 
-    def initialize_state(
-        self,
-        model: str,
-        repository_dir: str,
-        imbalanced_threshold: int,
-        overlap_score_weight: float = 4.0,
-    ):
+    def initialize_state(self, model: str, repository_dir: str, imbalanced_threshold: int):
         from serve.routing.kv_index import KvScorer  # where the router runs (kv_index.py)
 
-        self._scorer = KvScorer(model, repository_dir, overlap_score_weight)
+        self._scorer = KvScorer(model, repository_dir)
         self._imbalanced_threshold = imbalanced_threshold
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -84,12 +80,8 @@ class KvAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._scorer.routed("imbalanced")
             return by_load
         params = pending_request.args[0] if pending_request.args else None
-        request_id = pending_request.metadata.internal_request_id
-        chosen = await self._scorer.choose(candidates, params, request_id) if params else None
-        return [[chosen]] if chosen else by_load
-
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._scorer.release(internal_request_id, self._event_loop)
+        chosen = await self._scorer.choose(candidates, params) if params else []
+        return [chosen] if chosen else by_load
 
     def _allowed(self, candidates: list[RunningReplica], pending_request: PendingRequest):
         """The candidates Serve's multiplexing (an adapter's holders) or locality allows

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -33,9 +34,10 @@ NEW_PREFIX_SHARE = 0.1
 # In the ingress process, beside its request metrics (RequestMetrics.text adds them).
 ROUTED = Counter(
     "tritonllm_kv_router_requests",
-    "Requests routed by routing: kv_aware, by how: overlap (to a replica holding a "
-    "prefix of the prompt), no_overlap (none holds any: by load), imbalanced (queues "
-    "apart: by load), no_index (no indexer or no tokens: by load)",
+    "Requests routed by routing: kv_aware, by how: overlap (to the replicas holding "
+    "the longest prefix of the prompt), no_overlap (none holds a tenth: a new prefix, "
+    "to the replica sent the fewest), imbalanced (queues apart: by load), no_index "
+    "(no indexer, no tokens or an adapter not named yet: by load)",
     ["model", "how"],
     registry=REGISTRY,
 )
@@ -80,7 +82,6 @@ class KvIndex:
         self.model = model
         self._service = _selection_service(model)
         self._workers: dict[int, dict] = {}  # worker id -> the replica's metadata
-        self._booked: set[str] = set()  # the requests whose load Dynamo counts
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -125,52 +126,6 @@ class KvIndex:
         """Whether the index has the worker's events (none without Dynamo's wheel)."""
         return self._service is not None and worker in self._workers
 
-    async def select_and_book(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        lora_name: str | None,
-        workers: list[int],
-        max_tokens: int,
-        scoring: dict,
-    ) -> dict:
-        """Dynamo's choice among ``workers`` (``worker_id``, ``isl_tokens``,
-        ``effective_prefill_tokens``: the prompt's tokens the chosen engine lacks), its
-        load booked under ``request_id``. A request Serve routes again (its replica
-        refused it) is booked once."""
-        if request_id in self._booked:
-            await self._free(request_id)
-        request = {
-            "model_name": self.model,
-            "tenant_id": _TENANT,
-            "selection_id": request_id,
-            "token_ids": token_ids,
-            "allowed_worker_ids": workers,
-            "expected_output_tokens": max_tokens,
-            "router_config_override": scoring,
-        }
-        if lora_name is not None:
-            request["lora_name"] = lora_name
-        selection = await self._service.select_and_reserve(request)
-        self._booked.add(request_id)
-        return selection
-
-    def unbook(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        """The request completed: its load leaves its replica's. Thread-safe: Serve
-        reports a completion from the thread its result's callback runs on."""
-        loop.call_soon_threadsafe(self._unbook_here, request_id, loop)
-
-    def _unbook_here(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        if request_id in self._booked:
-            self._run(loop, self._free(request_id))
-
-    async def _free(self, request_id: str) -> None:
-        self._booked.discard(request_id)
-        try:
-            await self._service.free_reservation(request_id)
-        except Exception:  # noqa: BLE001 (gone with its worker, which freed its load)
-            log.debug("kv_aware %s: reservation %s already freed", self.model, request_id)
-
     async def overlaps(self, token_ids: list[int], lora_name: str | None) -> dict[int, int]:
         """Each worker's cached tokens of the prompt (absent: none)."""
         request = {"model_name": self.model, "tenant_id": _TENANT, "token_ids": token_ids}
@@ -210,6 +165,8 @@ class KvIndex:
 
 
 def _selection_service(model: str):
+    # Dynamo's Rust logs every choice at INFO: a line per request in the ingress.
+    os.environ.setdefault("DYN_LOG", "warn")
     try:
         from dynamo.llm import SelectionService  # noqa: PLC0415 (a 75 MB extension)
     except ImportError as error:
@@ -247,68 +204,58 @@ class PromptTokens:
 
 
 class KvScorer:
-    """Chooses a model's replica for a request with Dynamo's scheduler: the fewest
-    blocks to prefill (the prompt's, less what the replica's engine holds) plus the
-    replica's load (the blocks of the requests this router sent it, booked until each
-    completes)."""
+    """The replicas of a model to route a request among, by what their engines hold."""
 
-    def __init__(self, model: str, repository_dir: str, overlap_score_weight: float = 4.0):
+    def __init__(self, model: str, repository_dir: str):
         self.model = model
         self.index = KvIndex(model)
         self._prompts = PromptTokens(repository_dir)
-        self._weight = {"overlap_score_weight": overlap_score_weight}
-        self._written: dict[int, int] = {}  # worker -> new prompt tokens sent to its engine
+        self._written: dict[int, int] = {}  # worker -> tokens of the new prefixes placed there
         self._warned: set[str] = set()
 
     def routed(self, how: str) -> None:
         ROUTED.labels(self.model, how).inc()
 
-    async def choose(self, candidates: list[RunningReplica], params, request_id: str):
-        """The replica for the request (``params``, a GenerateParams), its load booked
-        under ``request_id`` until :meth:`release`; None where nothing can say (no
-        indexer, no tokens, no candidate in the index, an adapter no replica named)."""
+    async def choose(self, candidates: list[RunningReplica], params) -> list[RunningReplica]:
+        """The candidates to route the request (``params``, a GenerateParams) among:
+        those whose engines hold the longest prefix of its tokens where one holds a
+        tenth of them; else the one sent the fewest tokens of new prefixes, so that new
+        prefixes spread over the caches as ``prefix_aware`` spreads them over its
+        smallest trees. Empty where nothing can say (no indexer, no tokens, no
+        candidate in the index, an adapter no replica named yet)."""
         by_worker = {worker_id(r.replica_id): r for r in candidates}
         known = [w for w in by_worker if self.index.follows(w)]
         lora_name = self.index.lora_name(params.adapter)
         unnamed = params.adapter is not None and lora_name is None
         token_ids = await self._prompts.of(params) if known and not unnamed else []
-        if not token_ids:
+        overlaps = await self._overlaps(token_ids, lora_name) if token_ids else None
+        if overlaps is None:
             self.routed("no_index")
-            return None
+            return []
+        best = max(overlaps.get(w, 0) for w in known)
+        if best >= NEW_PREFIX_SHARE * len(token_ids):
+            chosen = [w for w in known if overlaps.get(w, 0) == best]
+        else:
+            chosen = [self._least_written(known)]
+            self._written[chosen[0]] += len(token_ids)
+            best = overlaps.get(chosen[0], 0)
+        PROMPT_TOKENS.labels(self.model).inc(len(token_ids))
+        OVERLAP_TOKENS.labels(self.model).inc(best)
+        OVERLAP_SHARE.labels(self.model).observe(min(best / len(token_ids), 1.0))
+        self.routed("overlap" if best else "no_overlap")
+        return [by_worker[w] for w in chosen]
+
+    async def _overlaps(self, token_ids: list[int], lora_name) -> dict[int, int] | None:
         try:
-            workers = await self._placement(known, token_ids, lora_name)
-            selection = await self.index.select_and_book(
-                request_id, token_ids, lora_name, workers, params.max_tokens, self._weight
-            )
-        except Exception as error:  # noqa: BLE001 (e.g. a replica not subscribed yet: by load)
+            return await self.index.overlaps(token_ids, lora_name)
+        except Exception as error:  # noqa: BLE001 (e.g. no replica subscribed yet: by load)
             if str(error) not in self._warned:  # once per reason, not per request
                 self._warned.add(str(error))
                 log.warning("kv_aware %s: routing by load: the index says %s", self.model, error)
-            self.routed("no_index")
             return None
-        chosen = selection["worker_id"]
-        self._written[chosen] = self._written.get(chosen, 0) + selection["effective_prefill_tokens"]
-        overlap = selection["isl_tokens"] - selection["effective_prefill_tokens"]
-        PROMPT_TOKENS.labels(self.model).inc(len(token_ids))
-        OVERLAP_TOKENS.labels(self.model).inc(overlap)
-        OVERLAP_SHARE.labels(self.model).observe(min(overlap / len(token_ids), 1.0))
-        self.routed("overlap" if overlap else "no_overlap")
-        return by_worker[chosen]
 
-    async def _placement(self, known: list[int], token_ids: list[int], lora_name) -> list[int]:
-        """The workers Dynamo chooses among: all of them where an engine holds at least
-        a tenth of the prompt; else the one whose engine was sent the fewest new prompt
-        tokens (its cache written least), so that new prefixes spread over the caches as
-        ``prefix_aware`` spreads them over its smallest trees. (Dynamo would place them
-        by load alone: measured, a replica then gets more conversations than its cache
-        holds, and cycling through them misses every time.)"""
-        overlaps = await self.index.overlaps(token_ids, lora_name)
-        if max(overlaps.get(w, 0) for w in known) >= NEW_PREFIX_SHARE * len(token_ids):
-            return known
+    def _least_written(self, known: list[int]) -> int:
         floor = min(self._written.values(), default=0)
         for worker in known:  # a new replica starts level with the least written
             self._written.setdefault(worker, floor)
-        return [min(known, key=self._written.__getitem__)]
-
-    def release(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.index.unbook(request_id, loop)
+        return min(known, key=self._written.__getitem__)

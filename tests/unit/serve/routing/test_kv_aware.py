@@ -44,7 +44,6 @@ def test_kv_aware_routing_is_its_router_balancing_past_one_engine_batch(built_re
         "model": "m",
         "repository_dir": str(built_repository),
         "imbalanced_threshold": 8,  # the built batch size
-        "overlap_score_weight": 4.0,
     }
     assert config.request_routing_stats_period_s == 2
 
@@ -124,8 +123,8 @@ def replica(name: str, pub: int | None = None, replay: int | None = None, adapte
 
 
 def test_the_router_chooses_the_replica_holding_the_prefix_and_forgets_one_gone():
-    """Dynamo's scheduler over two publishing pools: no load booked, the replica holding
-    the prompt; an adapter's prompt, the one holding the adapter's blocks."""
+    """Dynamo's index over two publishing pools: the replica holding the prompt; for an
+    adapter's prompt, the one holding the adapter's blocks."""
     pytest.importorskip("dynamo.llm")
     asyncio.run(_routes_by_what_engines_hold())
 
@@ -155,37 +154,30 @@ async def _routes_by_what_engines_hold():
         def params(**fields):
             return GenerateParams(prompt="", max_tokens=4, prompt_token_ids=prompt, **fields)
 
-        assert await scorer.choose(replicas, params(), "r1") is replicas[1]
-        assert _active(service) == {_worker("b"): 1}  # booked until Serve says it completed
-        # Serve reports completions from the thread of the result's callback.
-        await asyncio.to_thread(scorer.release, "r1", loop)
-        await asyncio.sleep(0.1)
-        assert _active(service) == {}
-        assert await scorer.choose(replicas, params(adapter="french"), "r2") is replicas[0]
-        assert await scorer.choose(replicas, params(adapter="other"), "r3") is None  # unnamed
+        assert await scorer.choose(replicas, params()) == [replicas[1]]
+        assert await scorer.choose(replicas, params(adapter="french")) == [replicas[0]]
+        assert await scorer.choose(replicas, params(adapter="other")) == []  # not named yet
         resumed = GenerateParams(prompt="", max_tokens=4, prompt_token_ids=(*prompt, 99, 98))
-        assert await scorer.choose(replicas, resumed, "r4") is replicas[1]  # prompt + answer
-        assert await scorer.choose([replicas[2]], params(), "r5") is None  # c is not followed
-        # New prefixes go where the fewest new tokens went (a: none yet, b: r4's 2).
-        for first, expected in ((200, 0), (300, 1)):
+        assert await scorer.choose(replicas, resumed) == [replicas[1]]  # prompt + answer
+        assert await scorer.choose([replicas[2]], params()) == []  # c is not followed
+        # New prefixes (no engine holds a tenth) go where the fewest new tokens went.
+        placed = []
+        for first in (200, 300, 400, 500):
             new = GenerateParams(
                 prompt="", max_tokens=4, prompt_token_ids=tuple(range(first, first + 12))
             )
-            assert await scorer.choose(replicas, new, f"n{first}") is replicas[expected]
+            (chosen,) = await scorer.choose(replicas, new)
+            placed.append(chosen.replica_id.unique_id)
+        assert sorted(placed) == ["a", "a", "b", "b"]
 
         scorer.index.follow([replicas[0], replicas[2]], loop)  # b left, its blocks with it
         await asyncio.sleep(0.2)
         assert _worker("b") not in await scorer.index.overlaps(list(prompt), None)
-        assert await scorer.choose(replicas[:2], params(), "r6") is replicas[0]
+        assert await scorer.choose(replicas[:2], params()) == [replicas[0]]  # the only one left
     finally:
         for _, _, publisher in engines:
             publisher.close()
         await scorer.index._service.shutdown_async()
-
-
-def _active(service) -> dict[int, int]:
-    (model,) = service.loads()
-    return {w["worker_id"]: w["active_requests"] for w in model["loads"] if w["active_requests"]}
 
 
 def _worker(name: str) -> int:
@@ -205,12 +197,12 @@ def test_without_dynamos_indexer_the_model_routes_by_load(monkeypatch, caplog):
     assert not scorer.index.available
     assert "routes by load" in caplog.text and "ai-dynamo-runtime" in caplog.text
     params = GenerateParams(prompt="", max_tokens=1, prompt_token_ids=(1, 2, 3))
-    assert asyncio.run(scorer.choose([replica("a"), replica("b")], params, "r")) is None
+    assert asyncio.run(scorer.choose([replica("a"), replica("b")], params)) == []
 
 
-def test_an_index_that_cannot_choose_leaves_the_request_to_load(monkeypatch, caplog):
-    """Dynamo refusing (a replica advertised but not subscribed yet, say) routes the
-    request by load and logs why once."""
+def test_an_index_that_cannot_answer_leaves_the_request_to_load(monkeypatch, caplog):
+    """Dynamo refusing (no replica subscribed yet, say) routes the request by load and
+    logs why once."""
     pytest.importorskip("dynamo.llm")
 
     async def refuse(*args):
@@ -219,12 +211,12 @@ def test_an_index_that_cannot_choose_leaves_the_request_to_load(monkeypatch, cap
     async def route_twice():
         scorer = kv_index.KvScorer("m", "unused")
         scorer.index.follow([replica("a", 1, 2)], asyncio.get_running_loop())
-        monkeypatch.setattr(scorer.index, "select_and_book", refuse)
+        monkeypatch.setattr(scorer.index, "overlaps", refuse)
         params = GenerateParams(prompt="", max_tokens=1, prompt_token_ids=(1, 2, 3))
         try:
-            return [await scorer.choose([replica("a", 1, 2)], params, f"r{i}") for i in (1, 2)]
+            return [await scorer.choose([replica("a", 1, 2)], params) for _ in range(2)]
         finally:
             await scorer.index._service.shutdown_async()
 
-    assert asyncio.run(route_twice()) == [None, None]
+    assert asyncio.run(route_twice()) == [[], []]
     assert caplog.text.count("no schedulable workers") == 1
