@@ -8,6 +8,7 @@ same prompts to the same ~30M-parameter model, built into a scratch repository u
 from __future__ import annotations
 
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -70,3 +71,17 @@ def build_bench_repository(
 def checkpoint_dir(repository: Path) -> Path:
     """The Hugging Face checkpoint a built torch-target repository serves."""
     return repository / "tensorrt_llm" / "1" / "hf_model"
+
+
+def set_engine_parameter(repository: Path, key: str, value) -> None:
+    """Rewrite one parameter of the built engine's config.pbtxt (a benchmark's or a
+    test's variant of a built repository); KeyError where it has none."""
+    config = repository / "tensorrt_llm" / "config.pbtxt"
+    text, found = re.subn(
+        rf'(key: "{key}" value: \{{ string_value: ")[^"]*"',
+        lambda match: f'{match.group(1)}{value}"',
+        config.read_text(),
+    )
+    if not found:
+        raise KeyError(f"{config} has no parameter {key}")
+    config.write_text(text)

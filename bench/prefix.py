@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import shutil
 import statistics
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from bench.common import (
     build_bench_repository,
     checkpoint_dir,
     make_prompts,
+    set_engine_parameter,
     stop_on_sigterm,
 )
 from bench.loadgen import OpenAITarget, run_level, summarize
@@ -163,24 +163,11 @@ def repositories(
         repos[app] = out / app / "model_repository"
         shutil.rmtree(repos[app], ignore_errors=True)
         shutil.copytree(built, repos[app], symlinks=True)
-        _set_parameter(repos[app], "prefix_cache_mb", budget_mb if system.cache else 0)
+        set_engine_parameter(repos[app], "prefix_cache_mb", budget_mb if system.cache else 0)
         if system.chunked:
-            _set_parameter(repos[app], "enable_chunked_context", "true")
-            _set_parameter(repos[app], "max_num_tokens", step)
+            set_engine_parameter(repos[app], "enable_chunked_context", "true")
+            set_engine_parameter(repos[app], "max_num_tokens", step)
     return repos, budget_mb
-
-
-def _set_parameter(repository: Path, key: str, value) -> None:
-    """Rewrite one parameter of the built engine's config.pbtxt."""
-    config = repository / "tensorrt_llm" / "config.pbtxt"
-    text, found = re.subn(
-        rf'(key: "{key}" value: \{{ string_value: ")[^"]*"',
-        lambda match: f'{match.group(1)}{value}"',
-        config.read_text(),
-    )
-    if not found:
-        raise KeyError(f"{config} has no parameter {key}")
-    config.write_text(text)
 
 
 def serve_config(systems: dict[str, System], repos: dict[str, Path], port: int) -> dict:

@@ -401,6 +401,11 @@ EMBEDDING_MODELS = {EMBEDDINGS: (EMBEDDINGS_INPUTS, EMBEDDINGS_OUTPUTS)}
 ALL_MODELS = {**MODELS, **EMBEDDING_MODELS}
 
 
+# Where the Triton replica tells its engine to publish its KV cache events
+# (routing: kv_aware), "PUB,REPLAY" ZMQ endpoints: set in the replica's environment
+# before Triton starts, so its Python stubs inherit it (tritonllm/engine/kv_events.py).
+KV_EVENTS_ENDPOINTS_ENV = "TRITONLLM_KV_EVENTS_ENDPOINTS"
+
 # The most alternatives per token an engine request may ask for (as many as OpenAI's
 # top_logprobs bound, which the API holds: serve/api/openai/fields.py).
 MAX_TOP_LOG_PROBS = 20

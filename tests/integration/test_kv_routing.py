@@ -22,6 +22,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.common import set_engine_parameter
 from serve.adapters import read_adapter
 from tests.integration.cluster import app_config, child_pids, process_name, triton_http_url
 from tests.integration.test_prefix_routing import (
@@ -31,7 +32,8 @@ from tests.integration.test_prefix_routing import (
     settled_counters,
 )
 from tests.lora_adapters import SPECS, make_adapter
-from tritonllm.engine.kv_events import END_OF_REPLAY, ENDPOINTS_ENV
+from tritonllm.contract import KV_EVENTS_ENDPOINTS_ENV as ENDPOINTS_ENV
+from tritonllm.engine.kv_events import END_OF_REPLAY
 
 pytestmark = pytest.mark.integration
 
@@ -52,14 +54,7 @@ def adapters_dir(checkpoint_dir, tmp_path_factory) -> Path:
 def kv_app(cluster, built_repository, adapters_dir, tmp_path_factory):
     small = tmp_path_factory.mktemp("kv-small") / "repository"
     shutil.copytree(built_repository, small)
-    engine = small / "tensorrt_llm" / "config.pbtxt"
-    text, count = re.subn(
-        r'(key: "prefix_cache_mb" value: \{ string_value: ")[0-9.]+',
-        rf"\g<1>{SMALL_CACHE_BLOCKS * 16 * 4096 / 2**20}",
-        engine.read_text(),
-    )
-    assert count == 1
-    engine.write_text(text)
+    set_engine_parameter(small, "prefix_cache_mb", SMALL_CACHE_BLOCKS * 16 * 4096 / 2**20)
     models = [
         {
             "id": BIG,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import shutil
 import time
 
@@ -20,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from bench.common import set_engine_parameter
 from tests.integration.cluster import app_config, descendants
 from tests.lora_adapters import make_adapter, make_adapters, other_base
 from tests.reference import hf_greedy
@@ -107,14 +107,7 @@ def stack(
     shutil.copytree(built_repository, small_repository)
     used = [engine_bytes(adapters[f"adapter-{i}"].tensors, checkpoint_dir) for i in EVICTION]
     budget = sum(sorted(used)[-2:])  # the two largest of the four fit, never all four
-    engine = small_repository / "tensorrt_llm" / "config.pbtxt"
-    text, count = re.subn(
-        r'(key: "lora_cache_host_memory_bytes" value: \{ string_value: ")[0-9]+',
-        rf"\g<1>{budget}",
-        engine.read_text(),
-    )
-    assert count == 1
-    engine.write_text(text)
+    set_engine_parameter(small_repository, "lora_cache_host_memory_bytes", budget)
     lora_section = {"dynamic_lora_loading_path": str(adapters_dir)}
     cluster.deploy(
         app_config(

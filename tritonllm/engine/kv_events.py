@@ -45,9 +45,6 @@ import zmq
 
 log = logging.getLogger(__name__)
 
-# Where the Triton replica tells its engines to publish (serve/engines/triton/replica.py
-# sets it before Triton starts; Triton's Python stubs inherit it): "PUB,REPLAY".
-ENDPOINTS_ENV = "TRITONLLM_KV_EVENTS_ENDPOINTS"
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _POLL_S = 0.05
@@ -98,8 +95,12 @@ class KVEventPublisher:
         self.block_size = block_size
         self._topic = topic.encode()
         self._context = zmq.Context()
-        self._pub = self._bind(zmq.PUB, endpoint)
-        self._replay = self._bind(zmq.ROUTER, replay_endpoint) if replay_endpoint else None
+        try:
+            self._pub = self._bind(zmq.PUB, endpoint)
+            self._replay = self._bind(zmq.ROUTER, replay_endpoint) if replay_endpoint else None
+        except zmq.ZMQError:
+            self._context.destroy(linger=0)  # the one bound, if any, with it
+            raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._hashes: dict[int, int] = {}  # a cached block's counter id -> its published hash
@@ -213,7 +214,7 @@ def _chain_hash(parent: int | None, lora: int | None, tokens: tuple[int, ...]) -
 
 
 def publisher_at(endpoints: str, block_size: int) -> KVEventPublisher | None:
-    """The publisher at ``endpoints`` ("PUB,REPLAY", as :data:`ENDPOINTS_ENV` gives
+    """The publisher at ``endpoints`` ("PUB,REPLAY", as ``contract.KV_EVENTS_ENDPOINTS_ENV`` gives
     them), or None where they cannot be bound (logged: the engine serves without)."""
     endpoint, _, replay = endpoints.partition(",")
     try:

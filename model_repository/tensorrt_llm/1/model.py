@@ -4,8 +4,8 @@ import os
 
 import triton_python_backend_utils as pb_utils
 
+from tritonllm import contract
 from tritonllm.decoupled import DecoupledEngineModel, print_stacks_on_crash, response_thread
-from tritonllm.engine.kv_events import ENDPOINTS_ENV
 from tritonllm.engine.null_engine import NullRunner
 from tritonllm.engine.runner import CausalLMRunner
 from tritonllm.engine.scheduler import Engine
@@ -53,7 +53,7 @@ class TritonPythonModel(DecoupledEngineModel):
             lora_cache_bytes=model_args.int("lora_cache_host_memory_bytes", 256 * 2**20),
             guide_compile_timeout_s=float(model_args.str("guide_compile_timeout_s", "5")),
             # The Triton replica's (routing: kv_aware), inherited from its process.
-            kv_events_endpoints=os.environ.get(ENDPOINTS_ENV, ""),
+            kv_events_endpoints=os.environ.get(contract.KV_EVENTS_ENDPOINTS_ENV, ""),
         )
 
     def finalize(self):

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 
 import ray
 
 from serve.config import ModelConfig
 from serve.engines.triton import repository
+from serve.engines.triton.launcher import free_port
 from serve.routing.kv_index import KV_EVENT_METADATA
-from tritonllm.engine.kv_events import ENDPOINTS_ENV
+from tritonllm import contract
 
 log = logging.getLogger("ray.serve")
 
@@ -44,8 +44,10 @@ class KvEventEndpoints:
         batched = (
             parameters["max_num_tokens"].string_value if "max_num_tokens" in parameters else ""
         )
-        port, replay_port = _free_ports(2)
-        os.environ[ENDPOINTS_ENV] = f"tcp://*:{port},tcp://*:{replay_port}"
+        # Free now, bound by the engine seconds later (one taken meanwhile: the engine
+        # logs it and publishes nothing, and the model routes by load).
+        port, replay_port = free_port(), free_port()
+        os.environ[contract.KV_EVENTS_ENDPOINTS_ENV] = f"tcp://*:{port},tcp://*:{replay_port}"
         return cls(port, replay_port, block_size, int(batched) if batched.isdigit() else 8192)
 
     def routing_stats(self, adapters: dict[str, int]) -> dict:
@@ -61,16 +63,3 @@ class KvEventEndpoints:
                 "adapters": {name: str(task_id) for name, task_id in adapters.items()},
             }
         }
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports free now; the engine binds them seconds later (one taken meanwhile: the
-    engine logs it and publishes nothing, and the model routes by load)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()

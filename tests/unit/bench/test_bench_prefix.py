@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from bench.prefix import SYSTEMS, _median_ratio, _set_parameter, parse_args, tenant_prompts
+from bench.common import set_engine_parameter
+from bench.prefix import SYSTEMS, _median_ratio, parse_args, tenant_prompts
 
 
 def test_the_budget_lands_in_the_engine_config(tmp_path):
     config = tmp_path / "tensorrt_llm" / "config.pbtxt"
     config.parent.mkdir()
     config.write_text('parameters { key: "prefix_cache_mb" value: { string_value: "256" } }')
-    _set_parameter(tmp_path, "prefix_cache_mb", 113.7)
+    set_engine_parameter(tmp_path, "prefix_cache_mb", 113.7)
     assert config.read_text() == (
         'parameters { key: "prefix_cache_mb" value: { string_value: "113.7" } }'
     )
     with pytest.raises(KeyError, match="no parameter enable_chunked_context"):
-        _set_parameter(tmp_path, "enable_chunked_context", "false")
+        set_engine_parameter(tmp_path, "enable_chunked_context", "false")
 
 
 def test_the_no_prefix_ratio_is_of_medians_over_alternated_rounds():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
+import shutil
 import sys
 from types import SimpleNamespace
 
@@ -19,6 +19,7 @@ from ray.serve._private.request_router.request_router import RequestRouter
 from ray.serve._private.utils import import_attr
 
 import serve
+from bench.common import set_engine_parameter
 from serve.app import KV_AWARE_ROUTER, replica_options
 from serve.config import AppConfig, ModelConfig
 from serve.engines.triton import repository
@@ -27,7 +28,8 @@ from serve.generation import GenerateParams
 from serve.routing import kv_index
 from tests.unit.tritonllm.engine.test_kv_events import LORA_ROOT, _eventually, free_ports, saved
 from tests.unit.tritonllm.engine.test_prefix_cache import BLOCK, pool
-from tritonllm.engine.kv_events import ENDPOINTS_ENV, KVEventPublisher
+from tritonllm.contract import KV_EVENTS_ENDPOINTS_ENV as ENDPOINTS_ENV
+from tritonllm.engine.kv_events import KVEventPublisher
 
 
 def test_kv_aware_routing_is_its_router_balancing_past_one_engine_batch(built_repository):
@@ -78,12 +80,8 @@ def test_the_torch_engine_with_a_prefix_cache_publishes_events(built_repository,
     assert repository.kv_event_block_size(built_repository) == 16
     off = tmp_path / "repository"
     (off / "tensorrt_llm").mkdir(parents=True)
-    config = (built_repository / "tensorrt_llm" / "config.pbtxt").read_text()
-    config, found = re.subn(
-        r'(key: "prefix_cache_mb" value: \{ string_value: ")[^"]*', r"\g<1>0", config
-    )
-    assert found == 1
-    (off / "tensorrt_llm" / "config.pbtxt").write_text(config)
+    shutil.copy(built_repository / "tensorrt_llm" / "config.pbtxt", off / "tensorrt_llm")
+    set_engine_parameter(off, "prefix_cache_mb", 0)
     assert repository.kv_event_block_size(off) is None  # the cache off: nothing to tell
 
 

@@ -5,13 +5,13 @@ indexer reading them."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import msgspec
 import pytest
 import zmq
 
+from serve.engines.triton.launcher import free_port
 from tests.unit.tritonllm.engine.test_prefix_cache import BLOCK, fill, pool
 from tritonllm.engine.kv_events import END_OF_REPLAY, KVEventPublisher
 
@@ -19,13 +19,7 @@ LORA_ROOT = ("lora", 7, 12345)  # an adapter's chain root: ("lora", uid, task id
 
 
 def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    return [free_port() for _ in range(count)]
 
 
 @pytest.fixture
