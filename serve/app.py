@@ -175,7 +175,17 @@ def kv_aware_router(model: ModelConfig) -> RequestRouterConfig:
     """Routing by the engines' KV cache events (serve/routing/kv_aware.py), balancing
     past one engine batch as prefix_aware does. Replicas report where their events are
     through Serve's routing stats, polled every 2 s here (Serve's default, 10 s, would
-    leave a new replica out of the index that long)."""
+    leave a new replica out of the index that long). A model whose engine publishes no
+    events (TensorRT-LLM's, the null engine, the prefix cache off) routes as
+    prefix_aware, and says so at deploy."""
+    path, engine = model.triton.repository_path(), model.engine_model()
+    if repository.kv_event_block_size(path, engine) is None:
+        log.warning(
+            "routing: kv_aware: model %s's engine publishes no KV cache events (not the "
+            "torch engine, or its prefix cache off): it routes as prefix_aware",
+            model.id,
+        )
+        return prefix_aware_router(model)
     return RequestRouterConfig(
         request_router_class=KV_AWARE_ROUTER,
         request_router_kwargs={

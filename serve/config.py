@@ -285,8 +285,9 @@ class ModelConfig(_Strict):
         "longest prefix of the prompt, while loads stay within one engine batch of each "
         "other; in a pool of variants, among the replicas holding the variant) or "
         "kv_aware (the replica whose engine holds the longest prefix, from the engines' "
-        "own KV cache events through Dynamo's indexer, loads as prefix_aware; the torch "
-        "engine, no variants; docs/prefix-caching.md)",
+        "own KV cache events through Dynamo's indexer, loads as prefix_aware; no "
+        "variants; an engine publishing no events, as prefix_aware; "
+        "docs/prefix-caching.md)",
     )
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None,

@@ -24,7 +24,9 @@ it already generated: a moved stream goes where its prefix is) or the prompt tex
 tokenized off the event loop with the preprocessing's tokenizer.
 
 Where an engine holds at least a tenth of the prompt, the replicas holding the
-longest prefix are the choice (Serve takes the shorter queue among them); else the
+longest prefix are the choice (Serve takes the shorter queue among them), counting as
+held what was routed there in the last half minute and not yet published (a prompt
+waiting for its prefill: kv_index.PlacedPrefixes); else the
 replica sent the fewest tokens of new prefixes, so that new prefixes spread over the
 caches as ``prefix_aware`` spreads them over its smallest trees. Serve's own
 queue lengths have the last word, as in ``prefix_aware``: while the candidates' queues
@@ -80,8 +82,13 @@ class KvAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._scorer.routed("imbalanced")
             return by_load
         params = pending_request.args[0] if pending_request.args else None
-        chosen = await self._scorer.choose(candidates, params) if params else []
+        request_id = pending_request.metadata.internal_request_id
+        chosen = await self._scorer.choose(candidates, params, request_id) if params else []
         return [chosen] if chosen else by_load
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
+        super().on_request_routed(pending_request, replica_id, result)
+        self._scorer.placed_on(pending_request.metadata.internal_request_id, replica_id)
 
     def _allowed(self, candidates: list[RunningReplica], pending_request: PendingRequest):
         """The candidates Serve's multiplexing (an adapter's holders) or locality allows

@@ -12,6 +12,8 @@ import asyncio
 import hashlib
 import logging
 import os
+import time
+from collections import OrderedDict
 from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -30,14 +32,18 @@ _TENANT = "default"  # Dynamo's namespace within a model: one per deployment her
 # A prompt of which no engine holds this share is a new prefix (Ray's prefix_aware
 # router's match threshold): it goes where the caches were written least.
 NEW_PREFIX_SHARE = 0.1
+# How long a routed prompt counts as held by its replica before the engine's events say
+# so: its wait in the queue and its prefill, on a loaded engine tens of seconds.
+PLACED_TTL_S = 30.0
 
 # In the ingress process, beside its request metrics (RequestMetrics.text adds them).
 ROUTED = Counter(
     "tritonllm_kv_router_requests",
     "Requests routed by routing: kv_aware, by how: overlap (to the replicas holding "
-    "the longest prefix of the prompt), no_overlap (none holds a tenth: a new prefix, "
-    "to the replica sent the fewest), imbalanced (queues apart: by load), no_index "
-    "(no indexer, no tokens or an adapter not named yet: by load)",
+    "the longest prefix of the prompt), placed (to the replica a prompt of the same "
+    "prefix was just routed to, before its engine's events said so), no_overlap (none "
+    "holds a tenth: a new prefix, to the replica sent the fewest), imbalanced (queues "
+    "apart: by load), no_index (no indexer, no tokens or an adapter not named yet: by load)",
     ["model", "how"],
     registry=REGISTRY,
 )
@@ -122,6 +128,10 @@ class KvIndex:
                 return metadata["adapters"][adapter]
         return None
 
+    def block_size(self, workers: list[int]) -> int:
+        """The engines' block size (one engine configuration per model)."""
+        return self._workers[workers[0]]["block_size"] if workers else 1
+
     def follows(self, worker: int) -> bool:
         """Whether the index has the worker's events (none without Dynamo's wheel)."""
         return self._service is not None and worker in self._workers
@@ -203,47 +213,146 @@ class PromptTokens:
         return tokenization.encode(self._tokenizer, text, self._add_special_tokens)
 
 
+class PlacedPrefixes:
+    """The prompts routed in the last ``ttl_s`` seconds, by their blocks, per replica: what
+    an engine is about to hold before its events say so.
+
+    Without it a prompt arriving while another of the same prefix waits for its prefill
+    (a tenant's second conversation beside its first) looks new to the index, and lands
+    where the new prefixes go: often the other replica, which then holds the tenant too.
+    ``prefix_aware`` has no such window (it records the text when it routes); Dynamo's
+    index records only what engines publish, so this short record is kept here.
+    """
+
+    def __init__(self, ttl_s: float = PLACED_TTL_S, max_blocks: int = 1 << 16):
+        self._ttl_s = ttl_s
+        self._max_blocks = max_blocks
+        self._placed: OrderedDict[tuple[int, int], float] = OrderedDict()  # (block, worker)
+
+    def add(self, blocks: list[int], worker: int) -> None:
+        now = time.monotonic()
+        for block in blocks:
+            key = (block, worker)
+            self._placed[key] = now
+            self._placed.move_to_end(key)
+        self._expire(now)
+
+    def held(self, blocks: list[int], workers: list[int]) -> dict[int, int]:
+        """Each worker's blocks of the prompt placed there lately, from its first on."""
+        self._expire(time.monotonic())
+        held = {}
+        for worker in workers:
+            count = 0
+            while count < len(blocks) and (blocks[count], worker) in self._placed:
+                count += 1
+            if count:
+                held[worker] = count
+        return held
+
+    def _expire(self, now: float) -> None:
+        placed = self._placed
+        while placed and (
+            len(placed) > self._max_blocks or next(iter(placed.values())) < now - self._ttl_s
+        ):
+            placed.popitem(last=False)
+
+
+def block_keys(token_ids: list[int], block_size: int, lora_name: str | None) -> list[int]:
+    """The prompt's full blocks, each a key for its whole prefix (the engine caches full
+    blocks only); in-process keys, compared with :class:`PlacedPrefixes` only."""
+    keys, previous = [], hash(lora_name)
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        previous = hash((previous, *token_ids[start : start + block_size]))
+        keys.append(previous)
+    return keys
+
+
 class KvScorer:
     """The replicas of a model to route a request among, by what their engines hold."""
 
     def __init__(self, model: str, repository_dir: str):
         self.model = model
         self.index = KvIndex(model)
+        self.placed = PlacedPrefixes()
         self._prompts = PromptTokens(repository_dir)
         self._written: dict[int, int] = {}  # worker -> tokens of the new prefixes placed there
+        # A request being routed -> its blocks (until Serve says where it went); a
+        # retried choice (the chosen replicas full) reuses its tokens, counted once.
+        self._routing: OrderedDict[str, tuple[list[int], list[int]]] = OrderedDict()
         self._warned: set[str] = set()
 
     def routed(self, how: str) -> None:
         ROUTED.labels(self.model, how).inc()
 
-    async def choose(self, candidates: list[RunningReplica], params) -> list[RunningReplica]:
+    async def choose(
+        self, candidates: list[RunningReplica], params, request_id: str = ""
+    ) -> list[RunningReplica]:
         """The candidates to route the request (``params``, a GenerateParams) among:
-        those whose engines hold the longest prefix of its tokens where one holds a
-        tenth of them; else the one sent the fewest tokens of new prefixes, so that new
-        prefixes spread over the caches as ``prefix_aware`` spreads them over its
-        smallest trees. Empty where nothing can say (no indexer, no tokens, no
-        candidate in the index, an adapter no replica named yet)."""
+        those whose engines hold, or were just sent, the longest prefix of its tokens
+        where that is a tenth of them; else the one sent the fewest tokens of new
+        prefixes, so that new prefixes spread over the caches as ``prefix_aware``
+        spreads them over its smallest trees. Empty where nothing can say (no indexer,
+        no tokens, no candidate in the index, an adapter no replica named yet)."""
         by_worker = {worker_id(r.replica_id): r for r in candidates}
         known = [w for w in by_worker if self.index.follows(w)]
         lora_name = self.index.lora_name(params.adapter)
         unnamed = params.adapter is not None and lora_name is None
-        token_ids = await self._prompts.of(params) if known and not unnamed else []
-        overlaps = await self._overlaps(token_ids, lora_name) if token_ids else None
-        if overlaps is None:
+        retried = request_id in self._routing
+        if retried:
+            token_ids, blocks = self._routing[request_id]
+        else:
+            token_ids = await self._prompts.of(params) if known and not unnamed else []
+            blocks = block_keys(token_ids, self.index.block_size(known), lora_name)
+        held = await self._held(token_ids, blocks, lora_name, known) if token_ids else None
+        if held is None:
             self.routed("no_index")
             return []
-        best = max(overlaps.get(w, 0) for w in known)
-        if best >= NEW_PREFIX_SHARE * len(token_ids):
-            chosen = [w for w in known if overlaps.get(w, 0) == best]
-        else:
-            chosen = [self._least_written(known)]
-            self._written[chosen[0]] += len(token_ids)
-            best = overlaps.get(chosen[0], 0)
-        PROMPT_TOKENS.labels(self.model).inc(len(token_ids))
-        OVERLAP_TOKENS.labels(self.model).inc(best)
-        OVERLAP_SHARE.labels(self.model).observe(min(best / len(token_ids), 1.0))
-        self.routed("overlap" if best else "no_overlap")
+        if request_id and not retried:
+            self._remember(request_id, token_ids, blocks)
+        chosen, how, best = self._pick(known, held, len(token_ids))
+        if not retried:
+            self._count(how, len(token_ids), best)
         return [by_worker[w] for w in chosen]
+
+    def placed_on(self, request_id: str, replica: ReplicaID) -> None:
+        """Serve sent the request to ``replica``: its blocks count as held there."""
+        _, blocks = self._routing.pop(request_id, (None, None))
+        if blocks:
+            self.placed.add(blocks, worker_id(replica))
+
+    async def _held(self, token_ids, blocks, lora_name, known) -> dict | None:
+        """Each worker's (held tokens of the prompt, whether only just placed there)."""
+        overlaps = await self._overlaps(token_ids, lora_name)
+        if overlaps is None:
+            return None
+        block_size = self.index.block_size(known)
+        placed = self.placed.held(blocks, known)
+        held = {}
+        for worker in known:
+            published, sent = overlaps.get(worker, 0), placed.get(worker, 0) * block_size
+            held[worker] = (max(published, sent), sent > published)
+        return held
+
+    def _pick(self, known, held, prompt_tokens) -> tuple[list[int], str, int]:
+        best = max(tokens for tokens, _ in held.values())
+        if best >= NEW_PREFIX_SHARE * prompt_tokens:
+            chosen = [w for w in known if held[w][0] == best]
+            return chosen, "placed" if held[chosen[0]][1] else "overlap", best
+        worker = self._least_written(known)
+        self._written[worker] += prompt_tokens
+        tokens = held[worker][0]
+        return [worker], "overlap" if tokens else "no_overlap", tokens
+
+    def _count(self, how: str, prompt_tokens: int, overlap: int) -> None:
+        PROMPT_TOKENS.labels(self.model).inc(prompt_tokens)
+        OVERLAP_TOKENS.labels(self.model).inc(overlap)
+        OVERLAP_SHARE.labels(self.model).observe(min(overlap / prompt_tokens, 1.0))
+        self.routed(how)
+
+    def _remember(self, request_id: str, token_ids: list[int], blocks: list[int]) -> None:
+        self._routing[request_id] = (token_ids, blocks)
+        if len(self._routing) > 4096:  # requests Serve never reported routed (cancelled)
+            self._routing.popitem(last=False)
 
     async def _overlaps(self, token_ids: list[int], lora_name) -> dict[int, int] | None:
         try:

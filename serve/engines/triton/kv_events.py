@@ -4,7 +4,6 @@ stats (serve/routing/kv_aware.py reads them)."""
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -15,8 +14,6 @@ from serve.engines.triton import repository
 from serve.engines.triton.launcher import free_port
 from serve.routing.kv_index import KV_EVENT_METADATA
 from tritonllm import contract
-
-log = logging.getLogger("ray.serve")
 
 
 @dataclass(frozen=True)
@@ -29,16 +26,11 @@ class KvEventEndpoints:
     @classmethod
     def open(cls, model: ModelConfig) -> KvEventEndpoints | None:
         """Ports for the replica's engine, set where its Triton's Python stubs read them
-        (call before Triton starts); None, logged, for an engine that publishes none:
-        the router then finds no events and routes this model by load."""
+        (call before Triton starts); None for an engine that publishes none (the app
+        routed that model as prefix_aware: serve/app.py's kv_aware_router)."""
         path, engine = model.triton.repository_path(), model.engine_model()
         block_size = repository.kv_event_block_size(path, engine)
         if block_size is None:
-            log.warning(
-                "routing: kv_aware: model %s's engine publishes no KV cache events (not "
-                "the torch engine, or its prefix cache off): it routes by load",
-                model.id,
-            )
             return None
         parameters = repository.read_config(path, engine).parameters
         batched = (

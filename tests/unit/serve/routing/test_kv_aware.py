@@ -20,7 +20,7 @@ from ray.serve._private.utils import import_attr
 
 import serve
 from bench.common import set_engine_parameter
-from serve.app import KV_AWARE_ROUTER, replica_options
+from serve.app import KV_AWARE_ROUTER, PREFIX_AWARE_ROUTER, replica_options
 from serve.config import AppConfig, ModelConfig
 from serve.engines.triton import repository
 from serve.engines.triton.kv_events import KvEventEndpoints
@@ -76,13 +76,17 @@ def test_kv_aware_routing_is_for_one_triton_engine_per_replica(model, message):
         AppConfig.model_validate({"models": [{"id": "g"}, model]})
 
 
-def test_the_torch_engine_with_a_prefix_cache_publishes_events(built_repository, tmp_path):
+def test_an_engine_without_events_routes_as_prefix_aware(built_repository, tmp_path, caplog):
     assert repository.kv_event_block_size(built_repository) == 16
     off = tmp_path / "repository"
-    (off / "tensorrt_llm").mkdir(parents=True)
-    shutil.copy(built_repository / "tensorrt_llm" / "config.pbtxt", off / "tensorrt_llm")
+    shutil.copytree(built_repository, off, ignore=shutil.ignore_patterns("hf_model"))
     set_engine_parameter(off, "prefix_cache_mb", 0)
     assert repository.kv_event_block_size(off) is None  # the cache off: nothing to tell
+    model = ModelConfig(id="m", routing="kv_aware", triton={"model_repository": str(off)})
+    config = replica_options(model)["request_router_config"]
+    assert config.request_router_class == PREFIX_AWARE_ROUTER
+    assert "publishes no KV cache events" in caplog.text and "as prefix_aware" in caplog.text
+    assert KvEventEndpoints.open(model) is None  # its replica opens no ports
 
 
 def test_a_replica_advertises_where_its_engine_publishes(built_repository, monkeypatch):
@@ -176,6 +180,67 @@ async def _routes_by_what_engines_hold():
         for _, _, publisher in engines:
             publisher.close()
         await scorer.index._service.shutdown_async()
+
+
+def test_a_prompt_whose_prefix_was_just_routed_follows_it_before_any_event():
+    """A tenant's second conversation arriving while its first still waits for its
+    prefill (nothing published yet) goes where the first went, not where new prefixes
+    go; a retried choice is counted once; after the record's time, the index alone."""
+    pytest.importorskip("dynamo.llm")
+    asyncio.run(_follows_what_was_just_routed())
+
+
+async def _follows_what_was_just_routed():
+    loop = asyncio.get_running_loop()
+    publishers, replicas = [], []
+    for name in ("a", "b"):
+        pub, replay = free_ports(2)
+        publishers.append(KVEventPublisher(f"tcp://*:{pub}", f"tcp://*:{replay}", BLOCK))
+        replicas.append(replica(name, pub, replay))
+    scorer = kv_index.KvScorer("m", "unused: the requests carry token ids")
+    routed = kv_index.ROUTED.labels("m", "placed")
+
+    def conversation(tenant: int, turn: int) -> GenerateParams:
+        system = tuple(range(tenant * 100, tenant * 100 + 3 * BLOCK))  # 3 blocks
+        return GenerateParams(prompt="", max_tokens=4, prompt_token_ids=(*system, turn, turn))
+
+    try:
+        scorer.index.follow(replicas, loop)
+        await asyncio.sleep(0.3)
+        (first,) = await scorer.choose(replicas, conversation(1, 1), "r1")
+        scorer.placed_on("r1", first.replica_id)
+        other = replicas[1 - replicas.index(first)]
+        before = routed._value.get()
+        assert await scorer.choose(replicas, conversation(1, 2), "r2") == [first]
+        assert await scorer.choose(replicas, conversation(1, 2), "r2") == [first]  # retried
+        assert routed._value.get() == before + 1
+        scorer.placed_on("r2", first.replica_id)
+        # A new tenant goes to the replica sent the fewest new prefixes: the other one.
+        assert await scorer.choose(replicas, conversation(2, 1), "r3") == [other]
+        scorer.placed.__init__(ttl_s=0)  # the record's time past: nothing placed lately
+        new = kv_index.ROUTED.labels("m", "no_overlap")
+        before = new._value.get()
+        await scorer.choose(replicas, conversation(1, 3), "r4")
+        assert new._value.get() == before + 1  # a new prefix again, to the index
+    finally:
+        for publisher in publishers:
+            publisher.close()
+        await scorer.index._service.shutdown_async()
+
+
+def test_placed_prefixes_count_blocks_from_the_first_per_replica_and_age_out():
+    keys = kv_index.block_keys(list(range(40)), 16, None)
+    assert len(keys) == 2  # full blocks only
+    assert kv_index.block_keys(list(range(32)), 16, "7") != keys  # an adapter's own
+    assert kv_index.block_keys([*range(16), 99], 16, None) == keys[:1]  # the first shared
+    placed = kv_index.PlacedPrefixes(max_blocks=3)
+    placed.add(keys, worker=1)
+    placed.add(keys[:1], worker=2)
+    assert placed.held(keys, [1, 2, 3]) == {1: 2, 2: 1}
+    second_alone = kv_index.block_keys(list(range(16, 32)), 16, None)
+    assert placed.held(second_alone, [1]) == {}  # a key stands for its whole prefix
+    placed.add(kv_index.block_keys(list(range(100, 132)), 16, None), worker=2)
+    assert placed.held(keys, [1, 2]) == {2: 1}  # the oldest, 1's, gone past max_blocks
 
 
 def _worker(name: str) -> int:
