@@ -193,16 +193,28 @@ def serve_config(systems: dict[str, System], repos: dict[str, Path], port: int) 
     }
 
 
-def triton_counters(repository: Path) -> dict[str, float]:
-    """The prefix counters summed over the Tritons serving ``repository``."""
-    totals = dict.fromkeys(COUNTERS, 0.0)
+def triton_counters(repository: Path) -> dict[int, dict[str, float]]:
+    """The prefix counters of each Triton serving ``repository``, by its pid."""
+    counters = {}
     for pid in _tritons(repository):
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         port = next(a.split(b"=")[1].decode() for a in cmdline if a.startswith(b"--metrics-port="))
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-        for key, name in COUNTERS.items():
-            totals[key] += samples.get(name, 0.0)
+        counters[pid] = {key: samples.get(name, 0.0) for key, name in COUNTERS.items()}
+    return counters
+
+
+def counted(before: dict, after: dict) -> dict[str, float]:
+    """What the Tritons counted between two :func:`triton_counters`, summed, and the
+    busiest one's share of the prompt tokens (0.5 of two: the replicas were sent alike)."""
+    deltas = [
+        {key: c[key] - before.get(pid, {}).get(key, 0.0) for key in COUNTERS}
+        for pid, c in after.items()
+    ]
+    totals = {key: sum(d[key] for d in deltas) for key in COUNTERS}
+    busiest = max((d["queried_tokens"] for d in deltas), default=0.0)
+    totals["busiest_replica_share"] = busiest / totals["queried_tokens"] if busiest else 0.0
     return totals
 
 
@@ -245,8 +257,7 @@ async def measure(app: str, url: str, repo: Path, prompts, concurrency, output_l
     records, seconds = await run_level(target, prompts, concurrency, output_len)
     after = triton_counters(repo)
     await target.aclose()
-    result = {"system": app, **summarize(records, seconds)}
-    result.update({k: after[k] - before[k] for k in COUNTERS})
+    result = {"system": app, **summarize(records, seconds), **counted(before, after)}
     if kv_aware:  # how it routed
         await asyncio.sleep(ROUTER_PUSH_S)
         routed_after = await router_counters(f"{url}/{app}")
@@ -256,7 +267,8 @@ async def measure(app: str, url: str, repo: Path, prompts, concurrency, output_l
     console.log(
         f"{app:>7}: TTFT p50 {result['ttft_p50_ms']:.0f} ms p90 {result['ttft_p90_ms']:.0f} ms, "
         f"{result['output_tokens_per_s']:.1f} tok/s, prefill {result['prefill_tokens']:.0f}, "
-        f"hit rate {result['hit_rate']:.2f}, errors {result['errors']}"
+        f"hit rate {result['hit_rate']:.2f}, busiest replica "
+        f"{result['busiest_replica_share']:.2f}, errors {result['errors']}"
     )
     return result
 
@@ -350,7 +362,7 @@ async def run(args, url: str, repos: dict[str, Path]) -> dict:
 def _medians(results: list[dict], apps: list[str]) -> dict[str, dict[str, float]]:
     """Per system, the median over its rounds of each figure of the table."""
     keys = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "output_tokens_per_s")
-    keys += ("prefill_tokens", "hit_rate")
+    keys += ("prefill_tokens", "hit_rate", "busiest_replica_share")
     medians = {}
     for app in apps:
         rounds = [r for r in results if r["system"] == app]

@@ -43,7 +43,7 @@ def test_each_round_has_its_own_conversations_and_the_table_is_of_medians():
     rounds = [
         {"system": "off", "ttft_p50_ms": t, "ttft_p90_ms": 1.0, "ttft_p99_ms": 1.0}
         | {"output_tokens_per_s": 1.0}
-        | {"prefill_tokens": 1.0, "hit_rate": 0.0}
+        | {"prefill_tokens": 1.0, "hit_rate": 0.0, "busiest_replica_share": 0.5}
         for t in (300.0, 100.0, 200.0)
     ]
     assert _medians(rounds, ["off", "routed"]) == {
@@ -54,7 +54,24 @@ def test_each_round_has_its_own_conversations_and_the_table_is_of_medians():
             "output_tokens_per_s": 1.0,
             "prefill_tokens": 1.0,
             "hit_rate": 0.0,
+            "busiest_replica_share": 0.5,
         }
+    }
+
+
+def test_the_counters_are_summed_over_replicas_with_the_busiest_ones_share():
+    from bench.prefix import counted
+
+    def replica(prefill, queried, hits):
+        return {"prefill_tokens": prefill, "queried_tokens": queried, "hit_tokens": hits}
+
+    before = {1: replica(10, 100, 90), 2: replica(0, 0, 0)}
+    after = {1: replica(40, 400, 360), 2: replica(50, 100, 50), 3: replica(0, 500, 500)}
+    assert counted(before, after) == {
+        "prefill_tokens": 80,
+        "queried_tokens": 900,  # 300 + 100 + 500 (3 started meanwhile)
+        "hit_tokens": 820,
+        "busiest_replica_share": 500 / 900,
     }
 
 
