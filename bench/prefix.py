@@ -56,6 +56,7 @@ from bench.common import (
 from bench.loadgen import OpenAITarget, run_level, summarize
 from bench.serving import serve_run
 from serve.engines.triton.launcher import free_port
+from serve.routing.kv_index import block_keys
 from tritonllm.tokenization import load_tokenizer
 
 console = Console(soft_wrap=True, width=150)
@@ -76,6 +77,7 @@ SYSTEMS = {
     "on": System(True),
     "routed": System(True, "prefix_aware"),
     "kv": System(True, "kv_aware"),
+    "kv-chunked": System(True, "kv_aware", chunked=True),  # with --chunked-context N
 }
 CHUNKED = {
     "off-chunked": System(False, chunked=True),
@@ -222,14 +224,16 @@ ROUTER_PUSH_S = 6  # more than the app's metrics push period
 
 
 async def router_counters(app_url: str) -> dict[str, float]:
-    """The kv_aware router's counters in the app's /metrics (empty: another routing)."""
+    """The kv_aware router's counters in the app's /metrics (empty: another routing),
+    with the sum and count of its time choosing."""
     async with httpx.AsyncClient() as client:
         text = (await client.get(f"{app_url}/metrics", timeout=10)).text
     counts: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.startswith("tritonllm_kv_router_") and sample.name.endswith("_total"):
-                key = sample.name.removeprefix("tritonllm_kv_router_").removesuffix("_total")
+            name = sample.name.removeprefix("tritonllm_kv_router_")
+            if name != sample.name and name.endswith(("_total", "_seconds_sum", "_seconds_count")):
+                key = name.removesuffix("_total")
                 key += f":{sample.labels['how']}" if "how" in sample.labels else ""
                 counts[key] = counts.get(key, 0.0) + sample.value
     return counts
@@ -329,14 +333,30 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def ideal_hit_rate(prompts: list[str], tokenizer, block_size: int = 16) -> float:
+    """The share of the prompts' tokens one cache that never evicts would serve, the
+    prompts sent one after the other: what no routing can beat."""
+    seen, total, hits = set(), 0, 0
+    for prompt in prompts:
+        token_ids = tokenizer.encode(prompt)
+        keys = block_keys(token_ids, block_size, None)
+        held = next((i for i, key in enumerate(keys) if key not in seen), len(keys))
+        total, hits = total + len(token_ids), hits + held * block_size
+        seen.update(keys)
+    return hits / total if total else 0.0
+
+
 async def run(args, url: str, repos: dict[str, Path]) -> dict:
     shared = []
     apps = list(repos)
+    tokenizer = load_tokenizer(str(checkpoint_dir(next(iter(repos.values())))))
     for round_ in range(0 if args.skip_shared else args.shared_rounds):
         prompts, _ = workload(args, seed=round_)
+        ideal = ideal_hit_rate(prompts, tokenizer)
+        console.log(f"round {round_}: one cache that never evicts would serve {ideal:.2f}")
         for app in apps[round_ % len(apps) :] + apps[: round_ % len(apps)]:
             result = await measure(app, url, repos[app], prompts, args.concurrency, args.output_len)
-            shared.append({**result, "round": round_})
+            shared.append({**result, "round": round_, "ideal_hit_rate": ideal})
     unique = []
     if args.unique_prompts:
         for round_ in range(args.rounds):

@@ -95,3 +95,15 @@ def test_the_tenants_workload_sends_every_conversation_each_round_under_its_syst
 def test_systems_are_chosen_by_name_with_kv_aware_among_them():
     args = parse_args(["--systems", "on,kv", "--workload", "tenants"])
     assert args.systems == "on,kv" and SYSTEMS["kv"].routing == "kv_aware"
+
+
+def test_the_ideal_hit_rate_is_what_one_cache_that_never_evicts_serves():
+    from bench.prefix import ideal_hit_rate
+
+    class Characters:  # a token per character
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    first, again, other = "a" * 8 + "b" * 4, "a" * 8 + "c" * 4, "d" * 12
+    # The second prompt finds the first's two full 4-token blocks; nothing else is held.
+    assert ideal_hit_rate([first, again, other], Characters(), block_size=4) == 8 / 36
