@@ -309,7 +309,7 @@ class KvScorer:
             return []
         if request_id and not retried:
             self._remember(request_id, token_ids, blocks)
-        chosen, how, best = self._pick(known, held, len(token_ids))
+        chosen, how, best = self._pick(known, held, len(token_ids), counted=retried)
         if not retried:
             self._count(how, len(token_ids), best)
         return [by_worker[w] for w in chosen]
@@ -333,13 +333,15 @@ class KvScorer:
             held[worker] = (max(published, sent), sent > published)
         return held
 
-    def _pick(self, known, held, prompt_tokens) -> tuple[list[int], str, int]:
+    def _pick(self, known, held, prompt_tokens, counted: bool) -> tuple[list[int], str, int]:
+        """The chosen workers, how, and the tokens they hold (``counted``: a retried
+        choice, whose new prefix was counted where first placed)."""
         best = max(tokens for tokens, _ in held.values())
         if best >= NEW_PREFIX_SHARE * prompt_tokens:
             chosen = [w for w in known if held[w][0] == best]
             return chosen, "placed" if held[chosen[0]][1] else "overlap", best
         worker = self._least_written(known)
-        self._written[worker] += prompt_tokens
+        self._written[worker] += 0 if counted else prompt_tokens
         tokens = held[worker][0]
         return [worker], "overlap" if tokens else "no_overlap", tokens
 
@@ -351,7 +353,7 @@ class KvScorer:
 
     def _remember(self, request_id: str, token_ids: list[int], blocks: list[int]) -> None:
         self._routing[request_id] = (token_ids, blocks)
-        if len(self._routing) > 4096:  # requests Serve never reported routed (cancelled)
+        if len(self._routing) > 1024:  # requests Serve never reported routed (cancelled)
             self._routing.popitem(last=False)
 
     async def _overlaps(self, token_ids: list[int], lora_name) -> dict[int, int] | None:
