@@ -18,13 +18,16 @@ The applications of one ``serve run`` (``--systems``), two Triton replicas each:
 ``off`` (no prefix cache), ``on`` (the cache, Serve's default routing), ``routed`` (the
 cache and ``routing: prefix_aware``), ``kv`` (the cache and ``routing: kv_aware``).
 With ``--chunked-context N``, two more with chunked context on and N-token steps:
-``off-chunked`` and ``routed-chunked``. Each of ``--shared-rounds`` rounds measures
+``off-chunked`` and ``routed-chunked`` (and ``kv-chunked`` where ``--systems`` names
+it). Each of ``--shared-rounds`` rounds measures
 every system one after the other on fresh prompts, the order rotated; the results
 hold every round and the medians. Then a workload with no shared prefix on ``off``,
 ``on`` (the cache's cost when it never hits) and ``off-chunked``, alternated
 ``--rounds`` times. Prefill tokens computed and the hit rate (the prompt tokens
 served from cache: what the API returns as ``usage.prompt_tokens_details.
-cached_tokens``) come from the replicas' own Triton metrics. Writes ``results.json``
+cached_tokens``) come from the replicas' own Triton metrics, with the busiest
+replica's share of the prompt tokens; each round also records its ideal hit rate (one
+cache that never evicts: what no routing beats). Writes ``results.json``
 under ``--out`` (docs/bench/prefix.json is one such run).
 """
 
