@@ -73,6 +73,13 @@ WORKERS = Gauge(
     ["model"],
     registry=REGISTRY,
 )
+CHOICE_SECONDS = Histogram(
+    "tritonllm_kv_router_choice_seconds",
+    "Time the router took to score a request (tokenizing it, asking the index)",
+    ["model"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+    registry=REGISTRY,
+)
 
 
 def worker_id(replica: ReplicaID) -> int:
@@ -293,6 +300,10 @@ class KvScorer:
         prefixes, so that new prefixes spread over the caches as ``prefix_aware``
         spreads them over its smallest trees. Empty where nothing can say (no indexer,
         no tokens, no candidate in the index, an adapter no replica named yet)."""
+        with CHOICE_SECONDS.labels(self.model).time():
+            return await self._choose(candidates, params, request_id)
+
+    async def _choose(self, candidates, params, request_id: str) -> list[RunningReplica]:
         by_worker = {worker_id(r.replica_id): r for r in candidates}
         known = [w for w in by_worker if self.index.follows(w)]
         lora_name = self.index.lora_name(params.adapter)

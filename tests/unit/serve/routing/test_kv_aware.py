@@ -211,7 +211,9 @@ async def _follows_what_was_just_routed():
         scorer.placed_on("r1", first.replica_id)
         other = replicas[1 - replicas.index(first)]
         before = routed._value.get()
+        timed = kv_index.CHOICE_SECONDS.labels("m")._sum.get()
         assert await scorer.choose(replicas, conversation(1, 2), "r2") == [first]
+        assert kv_index.CHOICE_SECONDS.labels("m")._sum.get() > timed  # its time observed
         assert await scorer.choose(replicas, conversation(1, 2), "r2") == [first]  # retried
         assert routed._value.get() == before + 1
         scorer.placed_on("r2", first.replica_id)
